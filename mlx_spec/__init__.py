@@ -1,0 +1,36 @@
+"""mlx-spec: lossless speculative decoding on MLX."""
+
+from mlx_spec import _blas
+
+_blas.preload()  # must precede the first `import mlx.core` (see _blas.py)
+
+from mlx_spec.api import (  # noqa: E402
+    GenerationChunk,
+    GenerationResult,
+    generate,
+    load,
+    load_drafter,
+    stream_generate,
+)
+from mlx_spec.drafters.base import Draft, Drafter  # noqa: E402
+from mlx_spec.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
+from mlx_spec.sampling import SamplingConfig  # noqa: E402
+from mlx_spec.stats import SpecStats  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
+    "GenerationChunk",
+    "GenerationResult",
+    "NgramDrafter",
+    "SamplingConfig",
+    "SpecStats",
+    "generate",
+    "load",
+    "load_drafter",
+    "stream_generate",
+]

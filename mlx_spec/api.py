@@ -1,0 +1,284 @@
+"""Public API: load, load_drafter, stream_generate, generate."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from mlx_spec.compat import vocab_size
+from mlx_spec.decode import Round, plain_rounds, speculative_rounds
+from mlx_spec.drafters.base import Drafter
+from mlx_spec.drafters.draft_model import DraftModelDrafter
+from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.runner import ModelRunner
+from mlx_spec.sampling import SamplingConfig
+from mlx_spec.stats import SpecStats
+from mlx_spec.stopping import StopMatcher
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed token. The last chunk has `token=None`, `finish_reason` and `stats` set."""
+
+    text: str
+    token: int | None
+    from_draft: bool = False
+    finish_reason: str | None = None
+    stats: SpecStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    """What `generate` returns; unpacks as `text, stats = generate(...)`."""
+
+    text: str
+    stats: SpecStats
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+
+    def __iter__(self):
+        return iter((self.text, self.stats))
+
+
+def _resolve_path(path_or_hub_id: str) -> str:
+    path = os.path.expanduser(path_or_hub_id)
+    if os.path.exists(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path_or_hub_id}: not a model directory (no config.json)")
+        return path
+    looks_local = path_or_hub_id.startswith((".", "/", "~")) or path_or_hub_id.count("/") != 1
+    if looks_local:
+        raise FileNotFoundError(f"{path_or_hub_id}: no such model directory")
+    return path_or_hub_id
+
+
+def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load an MLX model directory or Hugging Face hub id with mlx-lm.
+
+    On the CPU device floating-point weights are cast to float32 (the only fast CPU matmul).
+
+    Args:
+        path_or_hub_id: a local directory or `org/name` on the hub.
+        revision: hub revision (branch, tag or commit).
+    Returns:
+        (model, tokenizer)
+    """
+    from mlx_lm.utils import load as mlx_lm_load
+
+    source = _resolve_path(path_or_hub_id)
+    try:
+        model, tokenizer = mlx_lm_load(source, revision=revision)
+    except Exception as exc:  # hub and format errors come in many types; name the source
+        if isinstance(exc, (FileNotFoundError, ValueError)) and os.path.exists(source):
+            raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
+        if not os.path.exists(source):
+            raise FileNotFoundError(
+                f"{path_or_hub_id}: not a local directory and could not be fetched from the "
+                f"Hugging Face hub ({type(exc).__name__}: {exc})"
+            ) from exc
+        raise
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:
+    """Load a small draft model (same tokenizer as the target) as a drafter for `drafter=`."""
+    model, tokenizer = load(path_or_hub_id, revision=revision)
+    return DraftModelDrafter(model, tokenizer)
+
+
+def _resolve_drafter(drafter: Drafter | str | None) -> Drafter | None:
+    if drafter is None or isinstance(drafter, Drafter):
+        return drafter
+    if drafter == "ngram":
+        return NgramDrafter()
+    raise ValueError(
+        f"unknown drafter {drafter!r}: pass 'ngram', a drafter from load_drafter(), or None"
+    )
+
+
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of the prompt (BOS added unless the text already starts with it)."""
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def _check_settings(num_draft: int, max_tokens: int) -> None:
+    if not isinstance(num_draft, int) or num_draft < 0:
+        raise ValueError(f"num_draft must be an integer >= 0, got {num_draft}")
+    if not isinstance(max_tokens, int) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens}")
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    drafter: Drafter | str | None = None,
+    num_draft: int = 4,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    max_tokens: int = 256,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+) -> Iterator[GenerationChunk]:
+    """Generate from the target, speculatively when a drafter is given; output is distributed
+    exactly as plain sampling from the target with the same settings.
+
+    Args:
+        model, tokenizer: the target, e.g. from `load`.
+        prompt: text or token ids.
+        drafter: None (plain decoding), "ngram" (prompt lookup), or a `Drafter`.
+        num_draft: draft tokens per round (k); 0 decodes plainly.
+        temperature, top_p, top_k, min_p: sampling settings (temperature 0 = greedy).
+        max_tokens: generated tokens at most.
+        seed: seeds MLX's random generator for reproducible sampling.
+        stop: strings that end the output (not included).
+    Yields:
+        One `GenerationChunk` per token, then a final chunk with `token=None` and the stats.
+    """
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    _check_settings(num_draft, max_tokens)
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = encode_prompt(tokenizer, prompt)
+    vocab = vocab_size(tokenizer)
+    drafter = _resolve_drafter(drafter) if num_draft > 0 else None
+    if drafter is not None:
+        drafter.check_compatible(tokenizer, vocab)
+    target = ModelRunner(model, vocab)
+    if target.context_limit is not None and len(ids) >= target.context_limit:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"
+        )
+    if seed is not None:
+        mx.random.seed(seed)
+    stats = SpecStats(
+        drafter=drafter.name if drafter else "none", num_draft=num_draft, prompt_tokens=len(ids)
+    )
+    yield from _stream(
+        target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, stats, stop
+    )
+
+
+def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, stats, stop):
+    tic = time.perf_counter()
+    target.prefill(ids[:-1])
+    if drafter is not None:
+        drafter.begin(ids, target.vocab_size)
+    stats.prefill_seconds = time.perf_counter() - tic
+    if drafter is None:
+        rounds = plain_rounds(target, ids[-1], sampling=sampling, max_tokens=max_tokens)
+    else:
+        rounds = speculative_rounds(
+            target,
+            drafter,
+            ids[-1],
+            num_draft=num_draft,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stats=stats,
+        )
+    yield from _emit(rounds, tokenizer, stats, StopMatcher(stop), max_tokens)
+    stats.replays += target.replays + getattr(getattr(drafter, "runner", None), "replays", 0)
+
+
+def _emit(
+    rounds: Iterator[Round], tokenizer, stats: SpecStats, stopper: StopMatcher, max_tokens: int
+) -> Iterator[GenerationChunk]:
+    """Turn rounds into chunks, cutting at EOS, a stop string or max_tokens."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = set(tokenizer.eos_token_ids)
+    finish, tic = "length", time.perf_counter()
+    try:
+        for rnd in rounds:
+            emitted, finish = _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens)
+            yield from emitted
+            stats.observe_round(rnd.num_drafted, rnd.num_accepted, len(emitted), rnd.seconds)
+            if finish is not None:
+                break
+        else:
+            finish = "length"
+    finally:
+        rounds.close()
+        stats.decode_seconds = time.perf_counter() - tic
+    detokenizer.finalize()
+    tail = stopper.feed(detokenizer.last_segment)[0] + stopper.flush()
+    yield GenerationChunk(text=tail, token=None, finish_reason=finish or "length", stats=stats)
+
+
+def _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens):
+    """Chunks of one round up to the first stopping point, and the finish reason if it ended."""
+    chunks = []
+    for i, token in enumerate(rnd.tokens):
+        if token in eos:
+            return chunks, "stop"
+        detokenizer.add_token(token)
+        text, hit = stopper.feed(detokenizer.last_segment)
+        chunks.append(GenerationChunk(text=text, token=token, from_draft=i < rnd.num_accepted))
+        if hit:
+            return chunks, "stop"
+        if stats.generated_tokens + len(chunks) >= max_tokens:
+            return chunks, "length"
+    return chunks, None
+
+
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    drafter: Drafter | str | None = None,
+    num_draft: int = 4,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    max_tokens: int = 256,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+) -> GenerationResult:
+    """Run `stream_generate` to the end; the arguments are those of `stream_generate`.
+
+    Returns:
+        A `GenerationResult` (text, stats, tokens, finish_reason); unpacks as `text, stats`.
+    """
+    stream = stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        drafter=drafter,
+        num_draft=num_draft,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=stop,
+    )
+    pieces, tokens, last = [], [], None
+    for chunk in stream:
+        pieces.append(chunk.text)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        last = chunk
+    return GenerationResult("".join(pieces), last.stats, tokens, last.finish_reason)

@@ -1,0 +1,165 @@
+"""The `mlx-spec` command line (argparse lives here and nowhere else)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import mlx_spec
+from mlx_spec import _blas
+
+EPILOG = """examples:
+  mlx-spec generate --model ./target --draft-model ./draft --prompt "def parse_args(argv):"
+  mlx-spec generate --model ./target --ngram --temp 1.0 --seed 0 --prompt "..." --json
+  mlx-spec info
+"""
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text, speculatively when a drafter is given",
+        description="Generate from a target model. With --draft-model or --ngram the output is "
+        "distributed exactly as plain sampling from the target, only faster.",
+    )
+    p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
+    p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
+    drafters = p.add_mutually_exclusive_group()
+    drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
+    drafters.add_argument("--ngram", action="store_true", help="prompt-lookup drafting, no model")
+    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object with text, tokens and stats instead of streaming",
+    )
+    p.set_defaults(func=cmd_generate)
+
+
+def _drafter(args):
+    if args.ngram:
+        return "ngram"
+    if args.draft_model:
+        return mlx_spec.load_drafter(args.draft_model)
+    return None
+
+
+def cmd_generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    _blas.warn_if_slow()
+    model, tokenizer = mlx_spec.load(args.model)
+    stream = mlx_spec.stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        drafter=_drafter(args),
+        num_draft=args.num_draft,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    pieces, tokens, last = [], [], None
+    for chunk in stream:
+        if args.json:
+            pieces.append(chunk.text)
+        else:
+            print(chunk.text, end="", flush=True)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        last = chunk
+    stats = last.stats.to_dict()
+    if args.json:
+        record = {
+            "text": "".join(pieces),
+            "tokens": tokens,
+            "finish_reason": last.finish_reason,
+            "stats": stats,
+        }
+        print(json.dumps(record))
+    else:
+        print()
+        print(_summary(stats), file=sys.stderr)
+    return 0
+
+
+def _summary(stats: dict) -> str:
+    line = (
+        f"[{stats['generated_tokens']} tokens, {stats['decode_tokens_per_sec']:.1f} tok/s, "
+        f"prefill {stats['prefill_tokens_per_sec']:.1f} tok/s"
+    )
+    if stats["drafter"] != "none":
+        line += (
+            f", drafter {stats['drafter']} k={stats['num_draft']}, acceptance "
+            f"{stats['acceptance_rate']:.2f}, mean accepted length "
+            f"{stats['mean_accepted_length']:.2f}"
+        )
+    return line + "]"
+
+
+def cmd_info(args) -> int:
+    import mlx.core as mx
+
+    try:
+        from importlib.metadata import version
+
+        mlx_lm_version = version("mlx-lm")
+    except Exception:  # metadata missing in odd installs; not worth failing info for
+        mlx_lm_version = "unknown"
+    rows = {
+        "mlx-spec": mlx_spec.__version__,
+        "mlx": mx.__version__,
+        "mlx-lm": mlx_lm_version,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "device": str(mx.default_device()),
+        "blas": _blas.describe(),
+        "dtype on this device": "float32" if mx.default_device() == mx.cpu else "checkpoint's",
+    }
+    width = max(map(len, rows))
+    for key, value in rows.items():
+        print(f"{key:<{width}}  {value}")
+    _blas.warn_if_slow()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-spec",
+        description="Lossless speculative decoding on MLX.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    info = sub.add_parser("info", help="versions, device and the BLAS MLX uses")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("\nmlx-spec: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"mlx-spec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

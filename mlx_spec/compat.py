@@ -1,0 +1,61 @@
+"""Draft/target compatibility: the same tokenizer, compared token by token."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+
+def tokenizer_vocab(tokenizer) -> dict[str, int]:
+    """Token text -> id, added tokens included, for an mlx-lm TokenizerWrapper or HF tokenizer."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    return inner.get_vocab()
+
+
+def vocab_size(tokenizer) -> int:
+    """Number of ids the tokenizer can produce (embedding rows beyond it are padding)."""
+    return max(tokenizer_vocab(tokenizer).values()) + 1
+
+
+def output_rows(model: nn.Module) -> int | None:
+    """Rows of the model's output head from its config, when it declares them."""
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        rows = (
+            source.get("vocab_size")
+            if isinstance(source, dict)
+            else getattr(source, "vocab_size", None)
+        )
+        if isinstance(rows, int):
+            return rows
+    return None
+
+
+def check_model_covers_vocab(model: nn.Module, tokenizer, role: str) -> None:
+    """Refuse a model whose head cannot score every token of the tokenizer."""
+    rows, needed = output_rows(model), vocab_size(tokenizer)
+    if rows is not None and rows < needed:
+        raise ValueError(
+            f"{role} model scores {rows} tokens but its tokenizer has {needed}; "
+            "the checkpoint and tokenizer do not belong together"
+        )
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Raise ValueError naming the first differences if the two vocabularies are not identical.
+
+    Embedding matrices padded beyond the vocabulary (e.g. 151936 vs 152064 rows) are fine: only
+    token texts and ids are compared.
+    """
+    target, draft = tokenizer_vocab(target_tokenizer), tokenizer_vocab(draft_tokenizer)
+    if target == draft:
+        return
+    diffs = [
+        f"{text!r}: target id {target.get(text)}, draft id {draft.get(text)}"
+        for text in sorted(set(target) | set(draft), key=lambda t: (target.get(t, -1), t))
+        if target.get(text) != draft.get(text)
+    ]
+    raise ValueError(
+        f"draft and target tokenizers differ ({len(target)} vs {len(draft)} tokens, "
+        f"{len(diffs)} differences, e.g. " + "; ".join(diffs[:3]) + "); "
+        "speculative decoding needs a drafter with the target's tokenizer"
+    )

@@ -1,0 +1,1 @@
+"""Drafters behind one interface: draft model, n-gram prompt lookup."""

@@ -1,0 +1,50 @@
+"""The drafter interface: begin / draft / accept (the decode loop never asks what kind)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+
+
+@dataclass
+class Draft:
+    """Proposed tokens for one round.
+
+    Attributes:
+        tokens: `[k]` uint32 ids (k may be smaller than asked, or 0).
+        probs: `[k, vocab]` distributions the tokens were sampled from, or None when the
+            drafter has none (treated as one-hot by the verifier).
+    """
+
+    tokens: mx.array
+    probs: mx.array | None = None
+
+    @classmethod
+    def empty(cls) -> Draft:
+        return cls(mx.array([], mx.uint32))
+
+
+class Drafter(ABC):
+    """Anything that proposes tokens for the target to verify."""
+
+    name: str = "drafter"
+
+    def check_compatible(self, tokenizer, vocab_size: int) -> None:  # noqa: B027
+        """Raise ValueError if this drafter cannot serve a target with this tokenizer."""
+
+    @abstractmethod
+    def begin(self, prompt: list[int], vocab_size: int) -> None:
+        """Start a new sequence; `prompt` is every token so far."""
+
+    @abstractmethod
+    def draft(self, k: int, sampling: SamplingConfig) -> Draft:
+        """Propose up to k tokens following the sequence."""
+
+    @abstractmethod
+    def accept(self, num_accepted: int, emitted: list[int]) -> None:
+        """Record the round's outcome: the first `num_accepted` drafts were kept and `emitted`
+        (accepted drafts + the recovered or bonus token) was appended to the sequence."""

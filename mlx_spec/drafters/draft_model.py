@@ -1,0 +1,86 @@
+"""A small model with the target's tokenizer, drafting autoregressively with its own cache."""
+
+from __future__ import annotations
+
+from mlx_spec.compat import check_model_covers_vocab, check_same_tokenizer
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.runner import ModelRunner
+from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class DraftModelDrafter(Drafter):
+    """Draft k tokens with a small model.
+
+    Its cache holds every token except `pending` (tokens emitted but not yet fed). After a
+    rejection the cache rolls back to the accepted prefix; after a full acceptance the last draft
+    token is still pending, so the next round feeds it together with the bonus token (catch-up).
+
+    Args:
+        model: an mlx-lm model.
+        tokenizer: its tokenizer, which must equal the target's.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model: nn.Module, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner: ModelRunner | None = None
+        self._pending: list[int] = []
+        self._drafted: list[int] = []
+
+    def check_compatible(self, tokenizer, vocab_size: int) -> None:
+        check_same_tokenizer(tokenizer, self.tokenizer)
+        check_model_covers_vocab(self.model, self.tokenizer, "draft")
+
+    def begin(self, prompt: list[int], vocab_size: int) -> None:
+        self.runner = ModelRunner(self.model, vocab_size)
+        self.runner.prefill(prompt[:-1])
+        self._pending = [prompt[-1]]
+        self._drafted = []
+
+    def _budget(self, k: int) -> int:
+        limit = self.runner.context_limit
+        if limit is None:
+            return k
+        # Drafting k tokens feeds pending + (k - 1) tokens into the drafter's own cache.
+        return max(0, min(k, limit - self.runner.length - len(self._pending) + 1))
+
+    def draft(self, k: int, sampling: SamplingConfig) -> Draft:
+        k = self._budget(k)
+        self._drafted = []
+        if k == 0:
+            return Draft.empty()
+        runner = self.runner
+        runner.checkpoint(len(self._pending) + k - 1, single_call=False)
+        inputs = mx.array(self._pending, mx.uint32)
+        tokens, probs = [], []
+        for i in range(k):
+            logits = runner(inputs)[-1]  # [vocab]
+            if sampling.greedy:
+                token = greedy(logits)
+            else:
+                probs.append(logits_to_probs(logits, sampling))
+                token = sample(probs[-1])
+            mx.async_eval(token)
+            tokens.append(token)
+            if i < k - 1:
+                inputs = token[None]
+        self._drafted = tokens
+        return Draft(mx.stack(tokens), mx.stack(probs) if probs else None)
+
+    def accept(self, num_accepted: int, emitted: list[int]) -> None:
+        k = len(self._drafted)
+        if k == 0:
+            self._pending = self._pending + emitted
+            return
+        if num_accepted < k:
+            # Fed: pending + drafts[:k-1]; keep pending + the accepted drafts.
+            self.runner.rollback(len(self._pending) + num_accepted)
+            self._pending = emitted[num_accepted:]
+        else:
+            self._pending = emitted[k - 1 :]
+        self._drafted = []

@@ -1,0 +1,65 @@
+"""Prompt lookup: propose the continuation of the longest recent n-gram match (no model)."""
+
+from __future__ import annotations
+
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def find_continuation(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+    """Continuation (up to k ids) of the most recent earlier occurrence of the longest suffix
+    n-gram of `history`, trying n = max_ngram down to min_ngram; empty if none matches."""
+    length = history.size
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = history[length - n :]
+        windows = sliding_window_view(history[: length - 1], n)  # starts 0 .. length-1-n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = hits[-1] + n
+            return history[start : start + k]
+    return history[:0]
+
+
+class NgramDrafter(Drafter):
+    """Drafter-free speculation from the prompt and the output so far.
+
+    Args:
+        max_ngram: longest suffix to match.
+        min_ngram: shortest suffix to match.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._buf = np.zeros(0, np.int64)
+        self._len = 0
+
+    def begin(self, prompt: list[int], vocab_size: int) -> None:
+        self._buf = np.zeros(max(1024, 2 * len(prompt)), np.int64)
+        self._len = 0
+        self._extend(prompt)
+
+    def _extend(self, tokens: list[int]) -> None:
+        if self._len + len(tokens) > self._buf.size:
+            grown = np.zeros(2 * (self._len + len(tokens)), np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : self._len + len(tokens)] = tokens
+        self._len += len(tokens)
+
+    def draft(self, k: int, sampling: SamplingConfig) -> Draft:
+        if k <= 0:
+            return Draft.empty()
+        found = find_continuation(self._buf[: self._len], k, self.max_ngram, self.min_ngram)
+        return Draft(mx.array(found.astype(np.uint32)))
+
+    def accept(self, num_accepted: int, emitted: list[int]) -> None:
+        self._extend(emitted)

@@ -1,0 +1,103 @@
+"""Speculation statistics for one generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SpecStats:
+    """Counters and timings of one generation.
+
+    A round is one target pass: its drafts, its accepted prefix, and the recovered or bonus token.
+    Only emitted tokens are counted: a round cut short by EOS, a stop sequence or max_tokens
+    counts the draft positions up to the cut.
+    """
+
+    drafter: str = "none"
+    num_draft: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_passes: int = 0
+    replays: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    rollback_seconds: float = 0.0
+    round_seconds: list[float] = field(default_factory=list)
+
+    def observe_round(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
+        """Record a round in which `drafted` tokens were proposed, the first `accepted` kept,
+        and `emitted` tokens reached the output (after any truncation)."""
+        if emitted <= accepted:  # cut inside the accepted run: later positions never counted
+            drafted = accepted = emitted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < accepted)
+        self.generated_tokens += emitted
+        self.target_passes += 1
+        self.round_seconds.append(seconds)
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.drafted_per_position)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_position)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per round, recovered and bonus tokens included."""
+        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def prefill_tokens_per_sec(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_sec(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def round_latency_ms(self, q: float) -> float:
+        return float(np.percentile(self.round_seconds, q) * 1e3) if self.round_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready summary."""
+        acceptance_by_position = [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=False)
+        ]
+        return {
+            "drafter": self.drafter,
+            "num_draft": self.num_draft,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "target_passes": self.target_passes,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_position": self.accepted_per_position,
+            "acceptance_by_position": acceptance_by_position,
+            "prefill_tokens_per_sec": self.prefill_tokens_per_sec,
+            "decode_tokens_per_sec": self.decode_tokens_per_sec,
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "round_latency_p50_ms": self.round_latency_ms(50),
+            "round_latency_p95_ms": self.round_latency_ms(95),
+            "rollback_seconds": self.rollback_seconds,
+            "replays": self.replays,
+        }
