@@ -1,0 +1,53 @@
+"""Session fixtures: tiny random target/draft checkpoints written once per test run."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx_spec  # first: loads the optimized BLAS before mlx
+
+import pytest
+import tinymodels as tm
+
+VOCAB = tm.tokenizer_size()
+
+FAMILIES = {
+    "llama": tm.llama_config,
+    "gemma3": tm.gemma3_config,  # sliding window 8 on two of three layers
+    "qwen3_5": tm.qwen3_5_config,  # hybrid: gated delta-net (ArraysCache) + attention
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{family: (target_dir, draft_dir)}; the draft is a noisy copy of the target, so it agrees
+    often but not always (both accepting and rejecting paths run)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for i, (family, make_config) in enumerate(FAMILIES.items()):
+        config = make_config(VOCAB)
+        weights = tm.random_weights(config, seed=10 + i)
+        target = tm.write_checkpoint(root / f"{family}-target", config, weights)
+        draft = tm.write_checkpoint(
+            root / f"{family}-draft", config, tm.perturb(weights, 0.3, seed=20 + i)
+        )
+        out[family] = (target, draft)
+    return out
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoints):
+    """{family: (target_model, tokenizer, draft_model, draft_tokenizer)} loaded once."""
+    out = {}
+    for family, (target_dir, draft_dir) in checkpoints.items():
+        model, tok = mlx_spec.load(str(target_dir))
+        draft, draft_tok = mlx_spec.load(str(draft_dir))
+        out[family] = (model, tok, draft, draft_tok)
+    return out
+
+
+def with_eos(tokenizer, eos_ids=()):
+    """A copy of the tokenizer whose EOS ids are `eos_ids` (none: generations of fixed length)."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.eos_token_ids = set(eos_ids)
+    return tokenizer
