@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from mlx_spec.compat import vocab_size
+from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
@@ -159,7 +159,7 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
-    vocab = vocab_size(tokenizer)
+    vocab = scored_vocab(model, tokenizer)
     drafter = _resolve_drafter(drafter) if num_draft > 0 else None
     if drafter is not None:
         drafter.check_compatible(tokenizer, vocab)

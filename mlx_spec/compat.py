@@ -30,13 +30,19 @@ def output_rows(model: nn.Module) -> int | None:
     return None
 
 
-def check_model_covers_vocab(model: nn.Module, tokenizer, role: str) -> None:
-    """Refuse a model whose head cannot score every token of the tokenizer."""
-    rows, needed = output_rows(model), vocab_size(tokenizer)
+def scored_vocab(model: nn.Module, tokenizer) -> int:
+    """Ids that can be generated: the tokenizer's, cut to the model's head when that is smaller."""
+    rows = output_rows(model)
+    return min(vocab_size(tokenizer), rows) if rows is not None else vocab_size(tokenizer)
+
+
+def check_model_covers_vocab(model: nn.Module, needed: int, role: str) -> None:
+    """Refuse a model whose head scores fewer than `needed` tokens."""
+    rows = output_rows(model)
     if rows is not None and rows < needed:
         raise ValueError(
-            f"{role} model scores {rows} tokens but its tokenizer has {needed}; "
-            "the checkpoint and tokenizer do not belong together"
+            f"{role} model scores {rows} tokens but the target generates {needed}; "
+            "the two models do not share a vocabulary"
         )
 
 

@@ -34,7 +34,7 @@ class DraftModelDrafter(Drafter):
 
     def check_compatible(self, tokenizer, vocab_size: int) -> None:
         check_same_tokenizer(tokenizer, self.tokenizer)
-        check_model_covers_vocab(self.model, self.tokenizer, "draft")
+        check_model_covers_vocab(self.model, vocab_size, "draft")
 
     def begin(self, prompt: list[int], vocab_size: int) -> None:
         self.runner = ModelRunner(self.model, vocab_size)
