@@ -29,8 +29,9 @@ def test_greedy_equals_plain(loaded, family, eos):
     rates = []
     for k in KS:
         for drafter in (DraftModelDrafter(draft, draft_tok), "ngram"):
-            result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=k,
-                                       max_tokens=40)
+            result = mlx_spec.generate(
+                model, tok, PROMPT, drafter=drafter, num_draft=k, max_tokens=40
+            )
             assert result.tokens == expected, (family, k, drafter)
             if not isinstance(drafter, str):
                 rates.append(result.stats.acceptance_rate)
@@ -44,8 +45,9 @@ def test_long_generation_with_rejections(loaded, family):
     model, tok, draft, draft_tok = loaded[family]
     tok, draft_tok = with_eos(tok), with_eos(draft_tok)
     expected = plain_tokens(model, tok, max_tokens=200)
-    result = mlx_spec.generate(model, tok, PROMPT, drafter=DraftModelDrafter(draft, draft_tok),
-                               num_draft=4, max_tokens=200)
+    result = mlx_spec.generate(
+        model, tok, PROMPT, drafter=DraftModelDrafter(draft, draft_tok), num_draft=4, max_tokens=200
+    )
     assert result.tokens == expected
     assert 0 < result.stats.acceptance_rate < 1
 
@@ -57,8 +59,14 @@ def test_self_draft_accepts_everything(loaded, family, k):
     model, tok, _, _ = loaded[family]
     tok = with_eos(tok)
     max_tokens = 10 * (k + 1)
-    result = mlx_spec.generate(model, tok, PROMPT, drafter=DraftModelDrafter(model, tok),
-                               num_draft=k, max_tokens=max_tokens)
+    result = mlx_spec.generate(
+        model,
+        tok,
+        PROMPT,
+        drafter=DraftModelDrafter(model, tok),
+        num_draft=k,
+        max_tokens=max_tokens,
+    )
     assert result.tokens == plain_tokens(model, tok, max_tokens=max_tokens)
     assert result.stats.acceptance_rate == 1.0
     assert result.stats.mean_accepted_length == k + 1
@@ -69,17 +77,25 @@ def test_stats_are_consistent(loaded):
     """Stats add up: emitted = accepted + one per pass; per-position counts never increase."""
     model, tok, draft, draft_tok = loaded["llama"]
     tok, draft_tok = with_eos(tok), with_eos(draft_tok)
-    stats = mlx_spec.generate(model, tok, PROMPT, drafter=DraftModelDrafter(draft, draft_tok),
-                              num_draft=4, max_tokens=60).stats
+    stats = mlx_spec.generate(
+        model, tok, PROMPT, drafter=DraftModelDrafter(draft, draft_tok), num_draft=4, max_tokens=60
+    ).stats
     assert stats.generated_tokens == 60
     assert stats.accepted + stats.target_passes == 60
     drafted = stats.drafted_per_position
-    assert all(a <= d for a, d in zip(stats.accepted_per_position, drafted))
+    assert all(a <= d for a, d in zip(stats.accepted_per_position, drafted, strict=True))
     assert drafted == sorted(drafted, reverse=True)
     record = stats.to_dict()
-    for key in ("acceptance_rate", "mean_accepted_length", "target_passes",
-                "decode_tokens_per_sec", "round_latency_p50_ms", "round_latency_p95_ms",
-                "rollback_seconds", "prefill_tokens_per_sec"):
+    for key in (
+        "acceptance_rate",
+        "mean_accepted_length",
+        "target_passes",
+        "decode_tokens_per_sec",
+        "round_latency_p50_ms",
+        "round_latency_p95_ms",
+        "rollback_seconds",
+        "prefill_tokens_per_sec",
+    ):
         assert key in record
     assert record["round_latency_p95_ms"] >= record["round_latency_p50_ms"] > 0
 
@@ -92,8 +108,16 @@ def test_same_seed_same_output(loaded, drafter_kind):
 
     def run(seed):
         drafter = DraftModelDrafter(draft, draft_tok) if drafter_kind == "draft" else "ngram"
-        return mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=3,
-                                 temperature=1.0, max_tokens=30, seed=seed).tokens
+        return mlx_spec.generate(
+            model,
+            tok,
+            PROMPT,
+            drafter=drafter,
+            num_draft=3,
+            temperature=1.0,
+            max_tokens=30,
+            seed=seed,
+        ).tokens
 
     assert run(3) == run(3)
     assert len({tuple(run(s)) for s in range(4)}) > 1
