@@ -61,8 +61,7 @@ def check_supported(cache: list) -> None:
 
 @dataclass
 class _Saved:
-    offset: int
-    refs: tuple | None = None  # rotating: (keys, values, offset, idx); arrays: list of states
+    refs: tuple | list | None = None  # rotating: (keys, values, offset, idx); arrays: states
     copy: tuple | None = None  # rotating: copied buffers when in-place writes may wrap
 
 
@@ -92,15 +91,15 @@ class CacheRollback:
     @staticmethod
     def _save(c, num_tokens: int, single_call: bool) -> _Saved:
         if isinstance(c, ArraysCache):
-            return _Saved(0, refs=list(c.cache))
+            return _Saved(refs=list(c.cache))
         if isinstance(c, RotatingKVCache):
-            saved = _Saved(c.offset, refs=(c.keys, c.values, c.offset, c._idx))
+            saved = _Saved(refs=(c.keys, c.values, c.offset, c._idx))
             in_place = not single_call or num_tokens == 1
             if in_place and c.keys is not None and c.offset + num_tokens > c.max_size:
                 # One-token writes overwrite the window in place: keep a real copy.
                 saved.copy = (mx.array(c.keys), mx.array(c.values), c.offset, c._idx)
             return saved
-        return _Saved(c.offset)
+        return _Saved()
 
     def rollback(self, num_fed: int, num_keep: int, single_call: bool) -> bool:
         """Drop all but the first `num_keep` of the `num_fed` tokens fed since the checkpoint.
@@ -114,11 +113,10 @@ class CacheRollback:
         if num_keep == num_fed:
             return False
         if all(self._trimmable(c, single_call) for c in self.leaves):
-            for c, saved in zip(self.leaves, self._saved, strict=False):
+            for c in self.leaves:
                 self._trim(c, num_fed - num_keep, single_call)
-                self._check(c, saved.offset + num_keep)
             return False
-        for c, saved in zip(self.leaves, self._saved, strict=False):
+        for c, saved in zip(self.leaves, self._saved, strict=True):
             self._restore(c, saved, num_fed, single_call)
         return True
 
@@ -149,11 +147,11 @@ class CacheRollback:
                 raise RollbackError("sliding window overwritten without a checkpoint copy")
         else:
             self._trim(c, num_fed, single_call)
-        self._check(c, saved.offset)
 
-    @staticmethod
-    def _check(c, expected: int) -> None:
-        if not isinstance(c, ArraysCache) and c.offset != expected:
-            raise RollbackError(
-                f"{type(c).__name__} offset is {c.offset} after rollback, expected {expected}"
-            )
+    def verify(self, length: int) -> None:
+        """Raise RollbackError unless every positional cache holds exactly `length` tokens."""
+        for c in self.leaves:
+            if not isinstance(c, ArraysCache) and c.offset != length:
+                raise RollbackError(
+                    f"{type(c).__name__} offset is {c.offset} after rollback, expected {length}"
+                )

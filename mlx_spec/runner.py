@@ -77,3 +77,4 @@ class ModelRunner:
         else:
             self.length -= num_fed - num_keep
         self._fed = []
+        self._rollback.verify(self.length)

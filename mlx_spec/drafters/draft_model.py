@@ -77,10 +77,10 @@ class DraftModelDrafter(Drafter):
         if k == 0:
             self._pending = self._pending + emitted
             return
-        if num_accepted < k:
-            # Fed: pending + drafts[:k-1]; keep pending + the accepted drafts.
-            self.runner.rollback(len(self._pending) + num_accepted)
-            self._pending = emitted[num_accepted:]
-        else:
-            self._pending = emitted[k - 1 :]
+        # Fed this round: pending + drafts[:k-1]. Keep pending + the accepted drafts; after a
+        # full acceptance the last draft was never fed and stays pending with the bonus token.
+        fed = len(self._pending) + k - 1
+        keep = fed if num_accepted == k else len(self._pending) + num_accepted
+        self.runner.rollback(keep)
+        self._pending = emitted[keep - len(self._pending) :]
         self._drafted = []
