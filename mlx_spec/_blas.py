@@ -96,6 +96,8 @@ def describe() -> str:
     if not sys.platform.startswith("linux"):
         return "platform default"
     provider = _provider_of(b"cblas_sgemm")
+    if _state["late"]:
+        return "reference BLAS bundled with mlx-cpu, slow (mlx was imported before mlx_spec)"
     if provider is None:
         why = " (disabled by " + DISABLE_ENV + ")" if os.environ.get(DISABLE_ENV) else ""
         return "reference BLAS bundled with mlx-cpu, slow" + why
@@ -106,7 +108,10 @@ def describe() -> str:
 
 
 def uses_reference_blas() -> bool:
-    return sys.platform.startswith("linux") and _provider_of(b"cblas_sgemm") is None
+    """True when MLX resolved its BLAS before an optimized one could be loaded, or none exists."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return _state["late"] or _provider_of(b"cblas_sgemm") is None
 
 
 def warn_if_slow(stream=None) -> None:

@@ -75,7 +75,9 @@ def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module
     try:
         model, tokenizer = mlx_lm_load(source, revision=revision)
     except Exception as exc:  # hub and format errors come in many types; name the source
-        if isinstance(exc, (FileNotFoundError, ValueError)) and os.path.exists(source):
+        if isinstance(exc, (FileNotFoundError, ValueError, TypeError, KeyError)) and os.path.exists(
+            source
+        ):
             raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
         if not os.path.exists(source):
             raise FileNotFoundError(
@@ -115,6 +117,12 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int]) -> l
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
+
+
+def _check_prompt_ids(ids: list[int], vocab: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def _check_settings(num_draft: int, max_tokens: int) -> None:
@@ -160,10 +168,13 @@ def stream_generate(
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
     vocab = scored_vocab(model, tokenizer)
-    drafter = _resolve_drafter(drafter) if num_draft > 0 else None
+    _check_prompt_ids(ids, vocab)
+    drafter = _resolve_drafter(drafter)
+    if num_draft == 0:
+        drafter = None
     if drafter is not None:
         drafter.check_compatible(tokenizer, vocab)
-    target = ModelRunner(model, vocab)
+    target = ModelRunner(model, vocab, rollback=drafter is not None)
     if target.context_limit is not None and len(ids) >= target.context_limit:
         raise ValueError(
             f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"

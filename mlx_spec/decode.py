@@ -27,10 +27,11 @@ class Round:
 
 
 def room_left(runner: ModelRunner) -> int | None:
-    """Positions still free in the runner's context, or None when unbounded."""
+    """Tokens that may still be generated before the sequence fills the runner's context (the
+    pending last token, not yet in the cache, takes a place), or None when unbounded."""
     if runner.context_limit is None:
         return None
-    return runner.context_limit - runner.length
+    return runner.context_limit - runner.length - 1
 
 
 def _make_sampler(sampling: SamplingConfig, vocab_size: int):

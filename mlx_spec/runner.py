@@ -30,14 +30,16 @@ class ModelRunner:
     Args:
         model: an mlx-lm model.
         vocab_size: logits are cut to the tokenizer's vocabulary (padded rows never sampled).
+        rollback: make the cache rollback-ready (refuses cache types that cannot roll back);
+            plain decoding needs no rollback.
     """
 
-    def __init__(self, model: nn.Module, vocab_size: int):
+    def __init__(self, model: nn.Module, vocab_size: int, *, rollback: bool = True):
         self.model = model
         self.vocab_size = vocab_size
         self.context_limit = context_limit(model)
         self.cache = make_prompt_cache(model)
-        self._rollback = CacheRollback(self.cache)
+        self._rollback = CacheRollback(self.cache) if rollback else None
         self.length = 0  # tokens in the cache
         self._fed: list[mx.array] = []
         self.replays = 0

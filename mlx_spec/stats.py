@@ -32,7 +32,7 @@ class SpecStats:
     def observe_round(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
         """Record a round in which `drafted` tokens were proposed, the first `accepted` kept,
         and `emitted` tokens reached the output (after any truncation)."""
-        if emitted <= accepted:  # cut inside the accepted run: later positions never counted
+        if emitted < accepted:  # cut inside the accepted run: later positions never counted
             drafted = accepted = emitted
         grow = drafted - len(self.drafted_per_position)
         if grow > 0:

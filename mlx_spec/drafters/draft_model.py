@@ -31,6 +31,7 @@ class DraftModelDrafter(Drafter):
         self.runner: ModelRunner | None = None
         self._pending: list[int] = []
         self._drafted: list[int] = []
+        self._idle = False
 
     def check_compatible(self, tokenizer, vocab_size: int) -> None:
         check_same_tokenizer(tokenizer, self.tokenizer)
@@ -38,12 +39,18 @@ class DraftModelDrafter(Drafter):
 
     def begin(self, prompt: list[int], vocab_size: int) -> None:
         self.runner = ModelRunner(self.model, vocab_size)
-        self.runner.prefill(prompt[:-1])
+        limit = self.runner.context_limit
+        # A prompt that does not fit the drafter's context leaves it idle (plain decoding).
+        self._idle = limit is not None and len(prompt) >= limit
+        if not self._idle:
+            self.runner.prefill(prompt[:-1])
         self._pending = [prompt[-1]]
         self._drafted = []
 
     def _budget(self, k: int) -> int:
         limit = self.runner.context_limit
+        if self._idle:
+            return 0
         if limit is None:
             return k
         # Drafting k tokens feeds pending + (k - 1) tokens into the drafter's own cache.
