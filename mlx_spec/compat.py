@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.nn as nn
 
 
@@ -11,9 +13,21 @@ def tokenizer_vocab(tokenizer) -> dict[str, int]:
     return inner.get_vocab()
 
 
+_VOCAB_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def vocab_size(tokenizer) -> int:
     """Number of ids the tokenizer can produce (embedding rows beyond it are padding)."""
-    return max(tokenizer_vocab(tokenizer).values()) + 1
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        return _VOCAB_SIZES[inner]
+    except (KeyError, TypeError):
+        size = max(tokenizer_vocab(tokenizer).values()) + 1
+    try:
+        _VOCAB_SIZES[inner] = size  # computed once per tokenizer: 150k-entry vocabularies are slow
+    except TypeError:
+        pass
+    return size
 
 
 def output_rows(model: nn.Module) -> int | None:
