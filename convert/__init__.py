@@ -1,5 +1,6 @@
-"""Hugging Face -> MLX conversion for targets, draft models and MTP drafters.
+"""Hugging Face -> MLX conversion for targets, draft models and MTP drafters."""
 
-The converter itself (`mlx-spec convert`) is not built yet; until it is, use MLX model
-directories (for example those made by `mlx_lm.convert`).
-"""
+from convert.core import ConversionResult, Quantization, convert_checkpoint
+from convert.errors import ConversionError
+
+__all__ = ["ConversionError", "ConversionResult", "Quantization", "convert_checkpoint"]

@@ -13,6 +13,7 @@ from mlx_spec import _blas
 EPILOG = """examples:
   mlx-spec generate --model ./target --draft-model ./draft --prompt "def parse_args(argv):"
   mlx-spec generate --model ./target --ngram --temp 1.0 --seed 0 --prompt "..." --json
+  mlx-spec convert --hf-path Qwen/Qwen3-0.6B --mlx-path ./qwen3-0.6b
   mlx-spec info
 """
 
@@ -135,6 +136,48 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint into an MLX model directory",
+        description="Convert a Hugging Face checkpoint (hub id or local directory) into an MLX "
+        "directory that mlx_spec.load and mlx_lm.load open. MTP layers that mlx-lm drops are "
+        "written beside the target as a drafter directory (<mlx-path>/mtp). Output is written "
+        "to a temporary directory and renamed only when complete.",
+    )
+    p.add_argument("--hf-path", required=True, help="hub id (org/name) or local directory")
+    p.add_argument("--mlx-path", required=True, help="output directory")
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        help="weight dtype (default: the checkpoint's)",
+    )
+    p.add_argument("-q", "--quantize", action="store_true", help="quantize linear weights")
+    p.add_argument("--q-bits", type=int, default=4, help="bits per weight (default 4)")
+    p.add_argument("--q-group-size", type=int, default=64, help="group size (default 64)")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    from convert import Quantization, convert_checkpoint
+
+    quant = Quantization(args.q_bits, args.q_group_size) if args.quantize else None
+    result = convert_checkpoint(
+        args.hf_path,
+        args.mlx_path,
+        dtype=args.dtype,
+        quantization=quant,
+        force=args.force,
+        revision=args.revision,
+    )
+    print(f"wrote {result.path}")
+    if result.mtp_path is not None:
+        print(f"wrote MTP drafter {result.mtp_path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-spec",
@@ -144,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_convert(sub)
     info = sub.add_parser("info", help="versions, device and the BLAS MLX uses")
     info.set_defaults(func=cmd_info)
     return parser

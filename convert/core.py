@@ -1,0 +1,316 @@
+"""HF checkpoint -> MLX model directory (+ MTP drafter directory), written atomically."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from convert.errors import ConversionError
+from convert.fetch import resolve_source
+from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
+from convert.safetensors_check import list_tensors
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+DTYPES = ("float16", "bfloat16", "float32")
+MTP_DIR = "mtp"
+PROVENANCE = "conversion.json"
+# Tokenizer and generation settings travel with the weights.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tiktoken.model",
+    "qwen.tiktoken",
+)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    bits: int = 4
+    group_size: int = 64
+
+    def __post_init__(self):
+        if self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ConversionError(f"--q-bits must be one of 2, 3, 4, 5, 6, 8, got {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ConversionError(f"--q-group-size must be 32, 64 or 128, got {self.group_size}")
+
+
+@dataclass
+class ConversionResult:
+    path: Path
+    mtp_path: Path | None
+
+
+def _log(message: str) -> None:
+    print(f"[convert] {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def atomic_directory(dest: Path, force: bool):
+    """Yield a temp directory beside `dest`; it becomes `dest` only if the block succeeds."""
+    if dest.exists() and not force:
+        raise ConversionError(f"{dest}: already exists (use --force to replace it)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.replaced-{int(time.time())}")
+            dest.rename(old)
+            tmp.rename(dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _model_classes(config: dict):
+    if "model_type" not in config:
+        raise ConversionError("config.json has no model_type")
+    try:
+        return _get_classes(config)
+    except ValueError as exc:
+        raise ConversionError(
+            f"unknown architecture {config['model_type']!r}: mlx-lm has no model for it"
+        ) from exc
+
+
+def _check_loadable(config: dict) -> None:
+    if "quantization" in config:
+        raise ConversionError("this is already an MLX checkpoint (config has 'quantization')")
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "fp8"):
+        raise ConversionError(
+            f"{method}-quantized checkpoints are not converted; use the full-precision one"
+        )
+
+
+def build_target(config: dict, weights: dict[str, mx.array]) -> nn.Module:
+    """The mlx-lm model of `config` holding `weights`; every name and shape is checked."""
+    model_cls, args_cls = _model_classes(config)
+    try:
+        model = model_cls(args_cls.from_dict(config))
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ConversionError(f"config.json does not fit {config['model_type']}: {exc}") from exc
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    expected = dict(tree_flatten(model.parameters()))
+    unknown = sorted(set(weights) - set(expected))
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise ConversionError(f"unknown tensor {unknown[0]}{more} for {config['model_type']}")
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ConversionError(f"tensor {missing[0]} is missing ({len(missing)} missing)")
+    for name, value in weights.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise ConversionError(
+                f"tensor {name} has shape {list(value.shape)}, the config implies "
+                f"{list(expected[name].shape)}"
+            )
+    model.load_weights(list(weights.items()), strict=True)
+    return model
+
+
+def _cast(model: nn.Module, dtype) -> None:
+    keep = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path, value):
+        if keep(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(dtype)
+        return value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def _pick_dtype(requested: str | None, config: dict) -> str:
+    if requested is not None:
+        if requested not in DTYPES:
+            raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {requested}")
+        return requested
+    declared = config.get("torch_dtype") or config.get("dtype")
+    declared = (
+        declared or text_config(config).get("torch_dtype") or text_config(config).get("dtype")
+    )
+    return declared if declared in DTYPES else "float16"
+
+
+def _load_weights(tensors: dict) -> dict[str, mx.array]:
+    weights = {}
+    for path in sorted({file for file, _, _ in tensors.values()}):
+        try:
+            weights.update(mx.load(str(path)))
+        except (RuntimeError, ValueError) as exc:
+            raise ConversionError(f"{path.name}: cannot read ({exc})") from exc
+    return weights
+
+
+def _drop_shared_copies(mtp: MTPTensors, weights: dict[str, mx.array]) -> list[str]:
+    """Drop MTP copies of the target's embedding/head when identical; keep them otherwise."""
+    targets = {
+        "embed_tokens.weight": "model.embed_tokens.weight",
+        "shared_head.head.weight": "lm_head.weight",
+    }
+    shared = []
+    for name, value in mtp.shared_copies.items():
+        suffix = name.split(".", 2)[2]
+        original = weights.get(targets[suffix])
+        if original is not None and mx.array_equal(original, value).item():
+            shared.append(suffix)
+        else:
+            mtp.tensors[name] = value  # differs from the target (or target ties it): keep
+    return shared
+
+
+def _write_mtp(
+    out: Path, config: dict, mtp: MTPTensors, dtype, quant: Quantization | None, shared: list[str]
+) -> None:
+    out.mkdir()
+    tensors = {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in mtp.tensors.items()
+    }
+    quantized = []
+    if quant is not None:
+        for name in [n for n, v in tensors.items() if _quantizable(n, v, quant)]:
+            base = name[: -len(".weight")]
+            w, scales, biases = mx.quantize(tensors.pop(name), quant.group_size, quant.bits)
+            tensors.update(
+                {f"{base}.weight": w, f"{base}.scales": scales, f"{base}.biases": biases}
+            )
+            quantized.append(base)
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    drafter_config = {
+        "model_type": "mtp",
+        "mtp_family": mtp.family.name,
+        "target_model_type": config["model_type"],
+        "num_mtp_layers": mtp.num_layers,
+        "hidden_size": text_config(config)["hidden_size"],
+        "vocab_size": text_config(config)["vocab_size"],
+        "norm_convention": "x*w",
+        "target": "..",
+        "shared_with_target": ["embed_tokens", "lm_head"],
+        "own_copies": sorted(
+            s
+            for s in ("embed_tokens.weight", "shared_head.head.weight")
+            if s not in shared and any(k.endswith(s) for k in tensors)
+        ),
+        "quantization": None
+        if quant is None
+        else {"bits": quant.bits, "group_size": quant.group_size, "modules": quantized},
+        "target_config": config,
+    }
+    (out / "config.json").write_text(json.dumps(drafter_config, indent=2))
+
+
+def _quantizable(name: str, value: mx.array, quant: Quantization) -> bool:
+    return (
+        name.endswith("proj.weight") and value.ndim == 2 and value.shape[-1] % quant.group_size == 0
+    )
+
+
+def _copy_side_files(source: Path, out: Path) -> None:
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)
+    if not (out / "tokenizer.json").exists() and not (out / "tokenizer.model").exists():
+        _log("warning: no tokenizer files found in the checkpoint")
+
+
+def _provenance(hf_path: str, revision, dtype: str, quant, mtp_dir: str | None) -> dict:
+    return {
+        "source": hf_path,
+        "revision": revision,
+        "dtype": dtype,
+        "quantization": None
+        if quant is None
+        else {"bits": quant.bits, "group_size": quant.group_size},
+        "mtp_drafter": mtp_dir,
+        "converter": f"mlx-spec {version('mlx-spec')}",
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def convert_checkpoint(
+    hf_path: str,
+    mlx_path: str,
+    *,
+    dtype: str | None = None,
+    quantization: Quantization | None = None,
+    force: bool = False,
+    revision: str | None = None,
+) -> ConversionResult:
+    """Convert a Hugging Face checkpoint (hub id or local directory) into an MLX directory.
+
+    Args:
+        hf_path: hub id (`org/name`) or local checkpoint directory.
+        mlx_path: output directory; refused if it exists unless `force`.
+        dtype: float16, bfloat16 or float32 (default: the checkpoint's).
+        quantization: quantize linear weights (None: keep `dtype`).
+        force: replace an existing output directory.
+        revision: hub revision.
+    Returns:
+        Paths of the target directory and of its MTP drafter directory (None if it has none).
+    """
+    dest = Path(mlx_path)
+    if dest.exists() and not force:
+        raise ConversionError(f"{dest}: already exists (use --force to replace it)")
+    source, resolved_revision = resolve_source(hf_path, revision)
+    config = _read_config(source)
+    _check_loadable(config)
+    tensors = list_tensors(source)
+    shapes = {name: shape for name, (_, _, shape) in tensors.items()}
+    mtp_names = split_mtp(config, shapes)
+    num_mtp = check_mtp_shapes(config, shapes, mtp_names) if mtp_names else 0
+    _log(f"{config['model_type']}: {len(tensors)} tensors, {num_mtp} MTP layer(s)")
+    weights = _load_weights(tensors)
+    mtp = extract_mtp(config, weights, mtp_names, num_mtp) if num_mtp else None
+    shared = _drop_shared_copies(mtp, weights) if mtp else []
+    model = build_target(config, weights)
+    chosen = _pick_dtype(dtype, config)
+    _cast(model, getattr(mx, chosen))
+    if quantization is not None:
+        model, config = quantize_model(model, config, quantization.group_size, quantization.bits)
+    with atomic_directory(dest, force) as out:
+        _log(f"writing {dest} ({chosen}{', quantized' if quantization else ''})")
+        save_model(out, model, donate_model=True)
+        save_config(dict(config), config_path=out / "config.json")
+        _copy_side_files(source, out)
+        if mtp is not None:
+            _write_mtp(out / MTP_DIR, config, mtp, getattr(mx, chosen), quantization, shared)
+        provenance = _provenance(
+            hf_path, resolved_revision or revision, chosen, quantization, MTP_DIR if mtp else None
+        )
+        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+    return ConversionResult(dest, dest / MTP_DIR if mtp else None)
+
+
+def _read_config(source: Path) -> dict:
+    try:
+        return json.loads((source / "config.json").read_text())
+    except FileNotFoundError as exc:
+        raise ConversionError(f"{source}: no config.json") from exc
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{source}/config.json: invalid JSON ({exc})") from exc
