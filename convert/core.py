@@ -74,9 +74,14 @@ def atomic_directory(dest: Path, force: bool):
     try:
         yield tmp
         if dest.exists():
-            old = dest.with_name(f".{dest.name}.replaced-{int(time.time())}")
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.replaced-", dir=dest.parent))
+            old.rmdir()
             dest.rename(old)
-            tmp.rename(dest)
+            try:
+                tmp.rename(dest)
+            except BaseException:
+                old.rename(dest)  # put the previous output back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(dest)
@@ -296,7 +301,7 @@ def convert_checkpoint(
     with atomic_directory(dest, force) as out:
         _log(f"writing {dest} ({chosen}{', quantized' if quantization else ''})")
         save_model(out, model, donate_model=True)
-        save_config(dict(config), config_path=out / "config.json")
+        save_config(_without_remote_code(config), config_path=out / "config.json")
         _copy_side_files(source, out)
         if mtp is not None:
             _write_mtp(out / MTP_DIR, config, mtp, getattr(mx, chosen), quantization, shared)
@@ -305,6 +310,11 @@ def convert_checkpoint(
         )
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
     return ConversionResult(dest, dest / MTP_DIR if mtp else None)
+
+
+def _without_remote_code(config: dict) -> dict:
+    """The config minus pointers to custom code: the output runs on mlx-lm's own classes."""
+    return {k: v for k, v in config.items() if k not in ("auto_map", "model_file")}
 
 
 def _read_config(source: Path) -> dict:

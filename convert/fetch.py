@@ -13,7 +13,6 @@ ALLOW_PATTERNS = [
     "*.safetensors",
     "*.model",
     "*.tiktoken",
-    "tokenizer*",
     "*.txt",
     "*.jinja",
 ]

@@ -173,8 +173,13 @@ def stream_generate(
     if num_draft == 0:
         drafter = None
     if drafter is not None:
-        drafter.check_compatible(tokenizer, vocab)
-    target = ModelRunner(model, vocab, rollback=drafter is not None)
+        drafter.check_compatible(model, tokenizer, vocab)
+    target = ModelRunner(
+        model,
+        vocab,
+        rollback=drafter is not None,
+        keep_hidden=drafter is not None and drafter.needs_hidden,
+    )
     if target.context_limit is not None and len(ids) >= target.context_limit:
         raise ValueError(
             f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"
@@ -191,9 +196,9 @@ def stream_generate(
 
 def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, stats, stop):
     tic = time.perf_counter()
-    target.prefill(ids[:-1])
+    hidden = target.prefill(ids[:-1])
     if drafter is not None:
-        drafter.begin(ids, target.vocab_size)
+        drafter.begin(ids, target.vocab_size, hidden)
     stats.prefill_seconds = time.perf_counter() - tic
     if drafter is None:
         rounds = plain_rounds(target, ids[-1], sampling=sampling, max_tokens=max_tokens)

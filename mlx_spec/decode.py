@@ -102,12 +102,13 @@ def speculative_rounds(
         target.checkpoint(k + 1, single_call=True)
         inputs = mx.concatenate([mx.array([last], mx.uint32), draft.tokens.astype(mx.uint32)])
         num_accepted, next_token = _verify(target(inputs), draft, sampling)
+        hidden = target.last_hidden if drafter.needs_hidden else None  # before any replay
         mx.eval(num_accepted, next_token, draft.tokens)
         n = num_accepted.item()
         tokens = draft.tokens.tolist()[:n] + [next_token.item()]
         rollback_tic = time.perf_counter()
         target.rollback(n + 1)
-        drafter.accept(n, tokens)
+        drafter.accept(n, tokens, None if hidden is None else hidden[: n + 1])
         stats.rollback_seconds += time.perf_counter() - rollback_tic
         produced += len(tokens)
         last = tokens[-1]

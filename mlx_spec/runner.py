@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlx_spec.cache import CacheRollback
+from mlx_spec.hidden import tap_hidden
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,48 +33,82 @@ class ModelRunner:
         vocab_size: logits are cut to the tokenizer's vocabulary (padded rows never sampled).
         rollback: make the cache rollback-ready (refuses cache types that cannot roll back);
             plain decoding needs no rollback.
+        keep_hidden: record the final hidden states (the head's input) of every pass, for
+            drafters that condition on them.
     """
 
-    def __init__(self, model: nn.Module, vocab_size: int, *, rollback: bool = True):
+    def __init__(
+        self, model: nn.Module, vocab_size: int, *, rollback: bool = True, keep_hidden: bool = False
+    ):
         self.model = model
         self.vocab_size = vocab_size
         self.context_limit = context_limit(model)
         self.cache = make_prompt_cache(model)
         self._rollback = CacheRollback(self.cache) if rollback else None
+        self._tap = tap_hidden(model) if keep_hidden else None
         self.length = 0  # tokens in the cache
-        self._fed: list[mx.array] = []
+        self._fed: list[tuple[mx.array, mx.array | None]] = []
         self.replays = 0
 
-    def prefill(self, tokens: list[int]) -> None:
-        """Feed tokens whose logits are not needed, in chunks, and evaluate the cache."""
+    def _forward(self, tokens: mx.array, hidden: mx.array | None) -> mx.array:
+        if hidden is None:
+            return self.model(tokens[None], cache=self.cache)
+        return self.model(tokens[None], cache=self.cache, hidden=hidden[None])
+
+    @property
+    def last_hidden(self) -> mx.array:
+        """`[S, hidden]` final hidden states of the last pass (needs keep_hidden)."""
+        return self._tap.hidden[0]
+
+    def prefill(self, tokens: list[int], hidden: mx.array | None = None) -> mx.array | None:
+        """Feed tokens whose logits are not needed, in chunks, and evaluate the cache.
+
+        Args:
+            tokens: ids to feed.
+            hidden: `[len(tokens), d]` per-token conditioning for models that take it (MTP).
+        Returns:
+            `[len(tokens), hidden]` final hidden states when the runner keeps them, else None.
+        """
+        kept = []
         for start in range(0, len(tokens), PREFILL_STEP):
             chunk = mx.array(tokens[start : start + PREFILL_STEP], mx.uint32)
-            self.model(chunk[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            cond = None if hidden is None else hidden[start : start + PREFILL_STEP]
+            self._forward(chunk, cond)
+            kept += [self.last_hidden] if self._tap else []
+            mx.eval([c.state for c in self.cache], kept[-1:])
             self.length += chunk.size
+        if self._tap is None:
+            return None
+        return mx.concatenate(kept) if kept else mx.zeros((0, 1))
 
     def checkpoint(self, num_tokens: int, single_call: bool) -> None:
         """Mark the cache state before feeding up to `num_tokens` tokens."""
         self._rollback.checkpoint(num_tokens, single_call)
         self._fed = []
 
-    def __call__(self, tokens: mx.array) -> mx.array:
-        """Feed `[S]` tokens; returns `[S, vocab]` logits cut to the tokenizer vocabulary."""
-        logits = self.model(tokens[None], cache=self.cache)[0]
-        self._fed.append(tokens)
+    def __call__(self, tokens: mx.array, hidden: mx.array | None = None) -> mx.array:
+        """Feed `[S]` tokens (with `[S, d]` conditioning for MTP modules); returns `[S, vocab]`
+        logits cut to the tokenizer vocabulary."""
+        logits = self._forward(tokens, hidden)[0]
+        self._fed.append((tokens, hidden))
         self.length += tokens.size
         return logits[:, : self.vocab_size]
 
     def rollback(self, num_keep: int) -> None:
         """Keep the first `num_keep` tokens fed since the checkpoint, drop the rest."""
-        num_fed = sum(t.size for t in self._fed)
+        num_fed = sum(t.size for t, _ in self._fed)
         single_call = len(self._fed) == 1 and num_fed > 1
         if self._rollback.rollback(num_fed, num_keep, single_call):
             self.length -= num_fed
             self.replays += 1
             if num_keep:
-                kept = mx.concatenate(self._fed)[:num_keep]
-                self.model(kept[None], cache=self.cache)
+                kept = mx.concatenate([t for t, _ in self._fed])[:num_keep]
+                cond = (
+                    None
+                    if self._fed[0][1] is None
+                    else mx.concatenate([h for _, h in self._fed])[:num_keep]
+                )
+                self._forward(kept, cond)
                 mx.eval([c.state for c in self.cache])
                 self.length += num_keep
         else:

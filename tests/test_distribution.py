@@ -82,13 +82,13 @@ class RandomOneHotDrafter(Drafter):
 
     name = "random"
 
-    def begin(self, prompt, vocab_size):
+    def begin(self, prompt, vocab_size, hidden=None):
         self.vocab = vocab_size
 
     def draft(self, k, sampling):
         return Draft(mx.random.randint(0, self.vocab, (k,)).astype(mx.uint32))
 
-    def accept(self, num_accepted, emitted):
+    def accept(self, num_accepted, emitted, hidden=None):
         pass
 
 

@@ -33,10 +33,10 @@ class RecordingDrafter(Drafter):
     def runner(self):
         return getattr(self.inner, "runner", None)
 
-    def check_compatible(self, tokenizer, vocab_size):
-        self.inner.check_compatible(tokenizer, vocab_size)
+    def check_compatible(self, target, tokenizer, vocab_size):
+        self.inner.check_compatible(target, tokenizer, vocab_size)
 
-    def begin(self, prompt, vocab_size):
+    def begin(self, prompt, vocab_size, hidden=None):
         self.rounds = []
         self.inner.begin(prompt, vocab_size)
 
@@ -45,7 +45,7 @@ class RecordingDrafter(Drafter):
         self._last_k = draft.tokens.size
         return draft
 
-    def accept(self, num_accepted, emitted):
+    def accept(self, num_accepted, emitted, hidden=None):
         self.rounds.append((self._last_k, num_accepted, list(emitted)))
         self.inner.accept(num_accepted, emitted)
 
@@ -334,7 +334,7 @@ class PeakDrafter(mlx_spec.DraftModelDrafter):
         offsets = [c.offset for c in self.runner.cache if hasattr(c, "offset")]
         self.peak = max([self.peak, self.runner.length] + offsets)
 
-    def begin(self, prompt, vocab_size):
+    def begin(self, prompt, vocab_size, hidden=None):
         super().begin(prompt, vocab_size)
         self._note()
 

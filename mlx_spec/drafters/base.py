@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
+import mlx.nn as nn
 
 
 @dataclass
@@ -32,19 +33,24 @@ class Drafter(ABC):
     """Anything that proposes tokens for the target to verify."""
 
     name: str = "drafter"
+    # True: `begin` and `accept` receive the target's final hidden states (the head's input).
+    needs_hidden: bool = False
 
-    def check_compatible(self, tokenizer, vocab_size: int) -> None:  # noqa: B027
-        """Raise ValueError if this drafter cannot serve a target with this tokenizer."""
+    def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:  # noqa: B027
+        """Raise ValueError if this drafter cannot serve this target and tokenizer."""
 
     @abstractmethod
-    def begin(self, prompt: list[int], vocab_size: int) -> None:
-        """Start a new sequence; `prompt` is every token so far."""
+    def begin(self, prompt: list[int], vocab_size: int, hidden: mx.array | None = None) -> None:
+        """Start a new sequence; `prompt` is every token so far, `hidden` the target's
+        `[len(prompt) - 1, T]` hidden states for all but the last (if `needs_hidden`)."""
 
     @abstractmethod
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         """Propose up to k tokens following the sequence."""
 
     @abstractmethod
-    def accept(self, num_accepted: int, emitted: list[int]) -> None:
+    def accept(self, num_accepted: int, emitted: list[int], hidden: mx.array | None = None) -> None:
         """Record the round's outcome: the first `num_accepted` drafts were kept and `emitted`
-        (accepted drafts + the recovered or bonus token) was appended to the sequence."""
+        (accepted drafts + the recovered or bonus token) was appended to the sequence.
+        `hidden` (if `needs_hidden`): the target's `[len(emitted), T]` hidden states at the
+        positions whose next token is each emitted token."""

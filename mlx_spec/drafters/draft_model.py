@@ -11,6 +11,39 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+def context_budget(runner: ModelRunner, k: int, num_pending: int) -> int:
+    """Drafts that fit the drafter's context: drafting k feeds pending + (k - 1) tokens."""
+    if runner.context_limit is None:
+        return k
+    return max(0, min(k, runner.context_limit - runner.length - num_pending + 1))
+
+
+def draft_steps(
+    runner: ModelRunner,
+    inputs: mx.array,
+    k: int,
+    sampling: SamplingConfig,
+    hidden: mx.array | None = None,
+    feedback=None,
+) -> Draft:
+    """k autoregressive steps: feed `inputs` (`[S]`, with `[S, d]` hidden for MTP modules),
+    take the last position's draw, feed it back (with `feedback()` as its hidden)."""
+    tokens, probs = [], []
+    for i in range(k):
+        logits = runner(inputs, hidden)[-1]  # [vocab]
+        if sampling.greedy:
+            token = greedy(logits)
+        else:
+            probs.append(logits_to_probs(logits, sampling))
+            token = sample(probs[-1])
+        mx.async_eval(token)
+        tokens.append(token)
+        if i < k - 1:
+            inputs = token[None]
+            hidden = None if feedback is None else feedback()
+    return Draft(mx.stack(tokens), mx.stack(probs) if probs else None)
+
+
 class DraftModelDrafter(Drafter):
     """Draft k tokens with a small model.
 
@@ -30,14 +63,14 @@ class DraftModelDrafter(Drafter):
         self.tokenizer = tokenizer
         self.runner: ModelRunner | None = None
         self._pending: list[int] = []
-        self._drafted: list[int] = []
+        self._num_drafted = 0
         self._idle = False
 
-    def check_compatible(self, tokenizer, vocab_size: int) -> None:
+    def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:
         check_same_tokenizer(tokenizer, self.tokenizer)
         check_model_covers_vocab(self.model, vocab_size, "draft")
 
-    def begin(self, prompt: list[int], vocab_size: int) -> None:
+    def begin(self, prompt: list[int], vocab_size: int, hidden=None) -> None:
         self.runner = ModelRunner(self.model, vocab_size)
         limit = self.runner.context_limit
         # A prompt that does not fit the drafter's context leaves it idle (plain decoding).
@@ -45,42 +78,20 @@ class DraftModelDrafter(Drafter):
         if not self._idle:
             self.runner.prefill(prompt[:-1])
         self._pending = [prompt[-1]]
-        self._drafted = []
-
-    def _budget(self, k: int) -> int:
-        limit = self.runner.context_limit
-        if self._idle:
-            return 0
-        if limit is None:
-            return k
-        # Drafting k tokens feeds pending + (k - 1) tokens into the drafter's own cache.
-        return max(0, min(k, limit - self.runner.length - len(self._pending) + 1))
+        self._num_drafted = 0
 
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
-        k = self._budget(k)
-        self._drafted = []
+        k = 0 if self._idle else context_budget(self.runner, k, len(self._pending))
+        self._num_drafted = 0
         if k == 0:
             return Draft.empty()
-        runner = self.runner
-        runner.checkpoint(len(self._pending) + k - 1, single_call=False)
-        inputs = mx.array(self._pending, mx.uint32)
-        tokens, probs = [], []
-        for i in range(k):
-            logits = runner(inputs)[-1]  # [vocab]
-            if sampling.greedy:
-                token = greedy(logits)
-            else:
-                probs.append(logits_to_probs(logits, sampling))
-                token = sample(probs[-1])
-            mx.async_eval(token)
-            tokens.append(token)
-            if i < k - 1:
-                inputs = token[None]
-        self._drafted = tokens
-        return Draft(mx.stack(tokens), mx.stack(probs) if probs else None)
+        self.runner.checkpoint(len(self._pending) + k - 1, single_call=False)
+        draft = draft_steps(self.runner, mx.array(self._pending, mx.uint32), k, sampling)
+        self._num_drafted = k
+        return draft
 
-    def accept(self, num_accepted: int, emitted: list[int]) -> None:
-        k = len(self._drafted)
+    def accept(self, num_accepted: int, emitted: list[int], hidden=None) -> None:
+        k = self._num_drafted
         if k == 0:
             self._pending = self._pending + emitted
             return
@@ -90,4 +101,4 @@ class DraftModelDrafter(Drafter):
         keep = fed if num_accepted == k else len(self._pending) + num_accepted
         self.runner.rollback(keep)
         self._pending = emitted[keep - len(self._pending) :]
-        self._drafted = []
+        self._num_drafted = 0

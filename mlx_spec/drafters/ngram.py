@@ -42,7 +42,7 @@ class NgramDrafter(Drafter):
         self._buf = np.zeros(0, np.int64)
         self._len = 0
 
-    def begin(self, prompt: list[int], vocab_size: int) -> None:
+    def begin(self, prompt: list[int], vocab_size: int, hidden=None) -> None:
         self._buf = np.zeros(max(1024, 2 * len(prompt)), np.int64)
         self._len = 0
         self._extend(prompt)
@@ -61,5 +61,5 @@ class NgramDrafter(Drafter):
         found = find_continuation(self._buf[: self._len], k, self.max_ngram, self.min_ngram)
         return Draft(mx.array(found.astype(np.uint32)))
 
-    def accept(self, num_accepted: int, emitted: list[int]) -> None:
+    def accept(self, num_accepted: int, emitted: list[int], hidden=None) -> None:
         self._extend(emitted)

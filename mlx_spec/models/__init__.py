@@ -1,0 +1,1 @@
+"""MLX modules that mlx-lm lacks: MTP heads."""
