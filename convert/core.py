@@ -15,6 +15,7 @@ from pathlib import Path
 from convert.errors import ConversionError
 from convert.fetch import resolve_source
 from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
+from convert.mtp_build import build_mtp_module
 from convert.safetensors_check import list_tensors
 
 import mlx.core as mx
@@ -170,68 +171,55 @@ def _load_weights(tensors: dict) -> dict[str, mx.array]:
     return weights
 
 
-def _drop_shared_copies(mtp: MTPTensors, weights: dict[str, mx.array]) -> list[str]:
-    """Drop MTP copies of the target's embedding/head when identical; keep them otherwise."""
+def _own_copies(mtp: MTPTensors, weights: dict[str, mx.array]) -> tuple[str, ...]:
+    """Drop MTP copies of the target's embedding/head that are identical to the target's; keep
+    (and return the names of) those that differ."""
     targets = {
         "embed_tokens.weight": "model.embed_tokens.weight",
         "shared_head.head.weight": "lm_head.weight",
     }
-    shared = []
+    own = set()
     for name, value in mtp.shared_copies.items():
         suffix = name.split(".", 2)[2]
         original = weights.get(targets[suffix])
-        if original is not None and mx.array_equal(original, value).item():
-            shared.append(suffix)
-        else:
-            mtp.tensors[name] = value  # differs from the target (or target ties it): keep
-    return shared
+        if original is None or not mx.array_equal(original, value).item():
+            mtp.tensors[name] = value  # differs from the target (or the target ties it)
+            own.add(suffix)
+    return tuple(sorted(own))
 
 
 def _write_mtp(
-    out: Path, config: dict, mtp: MTPTensors, dtype, quant: Quantization | None, shared: list[str]
+    out: Path,
+    config: dict,
+    mtp: MTPTensors,
+    module: nn.Module,
+    quant_config: dict | None,
+    own_copies: tuple[str, ...],
 ) -> None:
     out.mkdir()
-    tensors = {
-        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-        for k, v in mtp.tensors.items()
-    }
-    quantized = []
-    if quant is not None:
-        for name in [n for n, v in tensors.items() if _quantizable(n, v, quant)]:
-            base = name[: -len(".weight")]
-            w, scales, biases = mx.quantize(tensors.pop(name), quant.group_size, quant.bits)
-            tensors.update(
-                {f"{base}.weight": w, f"{base}.scales": scales, f"{base}.biases": biases}
-            )
-            quantized.append(base)
+    tensors = dict(tree_flatten(module.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    text = text_config(config)
     drafter_config = {
         "model_type": "mtp",
         "mtp_family": mtp.family.name,
         "target_model_type": config["model_type"],
         "num_mtp_layers": mtp.num_layers,
-        "hidden_size": text_config(config)["hidden_size"],
-        "vocab_size": text_config(config)["vocab_size"],
+        "target_layer_index": module.template_index,
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
         "norm_convention": "x*w",
         "target": "..",
-        "shared_with_target": ["embed_tokens", "lm_head"],
-        "own_copies": sorted(
-            s
-            for s in ("embed_tokens.weight", "shared_head.head.weight")
-            if s not in shared and any(k.endswith(s) for k in tensors)
-        ),
-        "quantization": None
-        if quant is None
-        else {"bits": quant.bits, "group_size": quant.group_size, "modules": quantized},
+        "shared_with_target": [
+            n
+            for n in ("embed_tokens", "lm_head")
+            if not any(c.startswith(n[:5]) for c in own_copies)
+        ],
+        "own_copies": list(own_copies),
+        "quantization": quant_config,
         "target_config": config,
     }
     (out / "config.json").write_text(json.dumps(drafter_config, indent=2))
-
-
-def _quantizable(name: str, value: mx.array, quant: Quantization) -> bool:
-    return (
-        name.endswith("proj.weight") and value.ndim == 2 and value.shape[-1] % quant.group_size == 0
-    )
 
 
 def _copy_side_files(source: Path, out: Path) -> None:
@@ -283,33 +271,122 @@ def convert_checkpoint(
     if dest.exists() and not force:
         raise ConversionError(f"{dest}: already exists (use --force to replace it)")
     source, resolved_revision = resolve_source(hf_path, revision)
-    config = _read_config(source)
+    config = normalize_config(_read_config(source))
     _check_loadable(config)
+    chosen = _pick_dtype(dtype, config)
+    built = _build(source, config, getattr(mx, chosen), quantization)
+    with atomic_directory(dest, force) as out:
+        _log(f"writing {dest} ({chosen}{', quantized' if quantization else ''})")
+        save_model(out, built.model, donate_model=True)
+        save_config(_without_remote_code(built.config), config_path=out / "config.json")
+        _copy_side_files(source, out)
+        if built.mtp is not None:
+            _write_mtp(
+                out / MTP_DIR,
+                built.config,
+                built.mtp,
+                built.mtp_module,
+                built.mtp_quantization,
+                built.own_copies,
+            )
+        provenance = _provenance(
+            hf_path,
+            resolved_revision or revision,
+            chosen,
+            quantization,
+            MTP_DIR if built.mtp else None,
+        )
+        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+    return ConversionResult(dest, dest / MTP_DIR if built.mtp else None)
+
+
+@dataclass
+class _Built:
+    model: nn.Module
+    config: dict
+    mtp: MTPTensors | None = None
+    mtp_module: nn.Module | None = None
+    mtp_quantization: dict | None = None
+    own_copies: tuple[str, ...] = ()
+
+
+def _build(source: Path, config: dict, dtype, quantization: Quantization | None) -> _Built:
+    """Read, check and build the target (and its MTP module), cast and maybe quantized."""
     tensors = list_tensors(source)
     shapes = {name: shape for name, (_, _, shape) in tensors.items()}
     mtp_names = split_mtp(config, shapes)
     num_mtp = check_mtp_shapes(config, shapes, mtp_names) if mtp_names else 0
     _log(f"{config['model_type']}: {len(tensors)} tensors, {num_mtp} MTP layer(s)")
     weights = _load_weights(tensors)
-    mtp = extract_mtp(config, weights, mtp_names, num_mtp) if num_mtp else None
-    shared = _drop_shared_copies(mtp, weights) if mtp else []
-    model = build_target(config, weights)
-    chosen = _pick_dtype(dtype, config)
-    _cast(model, getattr(mx, chosen))
-    if quantization is not None:
-        model, config = quantize_model(model, config, quantization.group_size, quantization.bits)
-    with atomic_directory(dest, force) as out:
-        _log(f"writing {dest} ({chosen}{', quantized' if quantization else ''})")
-        save_model(out, model, donate_model=True)
-        save_config(_without_remote_code(config), config_path=out / "config.json")
-        _copy_side_files(source, out)
-        if mtp is not None:
-            _write_mtp(out / MTP_DIR, config, mtp, getattr(mx, chosen), quantization, shared)
-        provenance = _provenance(
-            hf_path, resolved_revision or revision, chosen, quantization, MTP_DIR if mtp else None
+    built = _Built(model=None, config=config)
+    if num_mtp:
+        built.mtp = extract_mtp(config, weights, mtp_names, num_mtp)
+        built.own_copies = _own_copies(built.mtp, weights)
+    built.model = build_target(config, weights)
+    _cast(built.model, dtype)
+    if built.mtp is not None:
+        target_names = [n for n in shapes if n not in mtp_names]
+        built.mtp_module = build_mtp_module(
+            built.model, config, built.mtp, target_names, built.own_copies
         )
-        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
-    return ConversionResult(dest, dest / MTP_DIR if mtp else None)
+        _cast(built.mtp_module, dtype)
+    if quantization is not None:
+        _quantize(built, quantization)
+    return built
+
+
+def _quantize(built: _Built, quant: Quantization) -> None:
+    predicate = getattr(built.model, "quant_predicate", None)
+    built.model, built.config = quantize_model(
+        built.model, built.config, quant.group_size, quant.bits
+    )
+    if built.mtp_module is not None:
+        built.mtp_module, mtp_config = quantize_model(
+            built.mtp_module, {}, quant.group_size, quant.bits, quant_predicate=predicate
+        )
+        built.mtp_quantization = mtp_config["quantization"]
+
+
+def normalize_config(config: dict) -> dict:
+    """Fill the keys mlx-lm reads from the forms newer transformers versions write."""
+    config = dict(config)
+    if config.get("model_type") == "qwen3_5_text":
+        config["model_type"] = "qwen3_5"  # mlx-lm's qwen3_5 takes a flat text config too
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict):
+            _normalize_rope(part)
+            _normalize_sliding_pattern(part)
+    return config
+
+
+def _normalize_rope(cfg: dict) -> None:
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict):
+        return
+    if "full_attention" in params:  # gemma3: one entry per attention type
+        sliding = params.get("sliding_attention") or {}
+        if "rope_theta" in sliding:
+            cfg.setdefault("rope_local_base_freq", sliding["rope_theta"])
+        params = params["full_attention"] or {}
+    if params.get("rope_theta") is not None:
+        cfg.setdefault("rope_theta", params["rope_theta"])
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default" and not cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = {**params, "type": rope_type}
+
+
+def _normalize_sliding_pattern(cfg: dict) -> None:
+    types = cfg.get("layer_types")
+    if (
+        "sliding_window_pattern" in cfg
+        or not isinstance(types, list)
+        or "gemma" not in str(cfg.get("model_type"))
+    ):
+        return
+    if cfg.get("_sliding_window_pattern"):
+        cfg["sliding_window_pattern"] = cfg["_sliding_window_pattern"]
+    elif "full_attention" in types:
+        cfg["sliding_window_pattern"] = types.index("full_attention") + 1
 
 
 def _without_remote_code(config: dict) -> dict:

@@ -86,6 +86,7 @@ FAMILIES = {
     "glm4_moe": DEEPSEEK,
     "glm4_moe_lite": DEEPSEEK,
     "qwen3_5": QWEN,
+    "qwen3_5_text": QWEN,
     "qwen3_5_moe": QWEN,
     "qwen3_next": QWEN,
     "mimo": MIMO,
@@ -200,6 +201,12 @@ def _require_head(family: Family, mtp: dict, num_layers: int) -> None:
                 raise ConversionError(f"{where} lacks {suffix}")
 
 
+def _is_norm(suffix: str) -> bool:
+    """pre_fc_norm_*, norm, input/post_attention_layernorm, q_norm, k_norm (module names)."""
+    parts = suffix.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and "norm" in parts[-2]
+
+
 def extract_mtp(config: dict, weights: dict[str, mx.array], mtp: dict, num_layers: int):
     """Pop the MTP tensors out of `weights`, renamed and convention-fixed."""
     family = FAMILIES[config["model_type"]]
@@ -207,7 +214,7 @@ def extract_mtp(config: dict, weights: dict[str, mx.array], mtp: dict, num_layer
     for name, (index, suffix) in mtp.items():
         value = weights.pop(name)
         target = shared if suffix in family.shared else tensors
-        if family.add_one_to_norms and suffix.endswith("norm.weight"):
+        if family.add_one_to_norms and _is_norm(suffix):
             value = value + 1  # Qwen stores w and computes x*(1+w)
         target[_drafter_name(family, index, suffix)] = value
     return MTPTensors(family, num_layers, tensors, shared)

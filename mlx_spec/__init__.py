@@ -10,6 +10,7 @@ from mlx_spec.api import (  # noqa: E402
     generate,
     load,
     load_drafter,
+    load_mtp_drafter,
     stream_generate,
 )
 from mlx_spec.drafters.base import Draft, Drafter  # noqa: E402
@@ -32,5 +33,6 @@ __all__ = [
     "generate",
     "load",
     "load_drafter",
+    "load_mtp_drafter",
     "stream_generate",
 ]

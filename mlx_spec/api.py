@@ -6,9 +6,11 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
+from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -71,24 +73,43 @@ def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module
     """
     from mlx_lm.utils import load as mlx_lm_load
 
-    source = _resolve_path(path_or_hub_id)
+    local = _local_dir(_resolve_path(path_or_hub_id), revision)
     try:
-        model, tokenizer = mlx_lm_load(source, revision=revision)
-    except Exception as exc:  # hub and format errors come in many types; name the source
-        if isinstance(exc, (FileNotFoundError, ValueError, TypeError, KeyError)) and os.path.exists(
-            source
-        ):
-            raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
-        if not os.path.exists(source):
-            raise FileNotFoundError(
-                f"{path_or_hub_id}: not a local directory and could not be fetched from the "
-                f"Hugging Face hub ({type(exc).__name__}: {exc})"
-            ) from exc
-        raise
+        model, tokenizer = mlx_lm_load(str(local))
+    except (FileNotFoundError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    object.__setattr__(model, SOURCE_ATTR, local)  # so drafter="mtp" finds <dir>/mtp
     return model, tokenizer
+
+
+SOURCE_ATTR = "_mlx_spec_source"
+
+
+def _local_dir(source: str, revision: str | None) -> Path:
+    if os.path.exists(source):
+        return Path(source)
+    from mlx_lm.utils import _download  # the hub fetch mlx_lm.load itself uses
+
+    try:
+        return Path(_download(source, revision=revision))
+    except Exception as exc:  # network, auth and cache misses come in many types
+        raise FileNotFoundError(
+            f"{source}: not a local directory and could not be fetched from the Hugging Face "
+            f"hub ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def load_mtp_drafter(path: str, model: nn.Module) -> Drafter:
+    """Load the MTP drafter that `mlx-spec convert` wrote for `model`.
+
+    Args:
+        path: the drafter directory, or the converted target directory holding it in `mtp/`.
+        model: the target, loaded.
+    """
+    return mtp_drafter.load_mtp_drafter(path, model)
 
 
 def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:
@@ -97,13 +118,21 @@ def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter
     return DraftModelDrafter(model, tokenizer)
 
 
-def _resolve_drafter(drafter: Drafter | str | None) -> Drafter | None:
+def _resolve_drafter(drafter: Drafter | str | None, model: nn.Module) -> Drafter | None:
     if drafter is None or isinstance(drafter, Drafter):
         return drafter
     if drafter == "ngram":
         return NgramDrafter()
+    if drafter == "mtp":
+        source = getattr(model, SOURCE_ATTR, None)
+        if source is None:
+            raise ValueError(
+                "drafter='mtp' needs a target from mlx_spec.load(); otherwise "
+                "pass load_mtp_drafter(path, model)"
+            )
+        return load_mtp_drafter(str(source), model)
     raise ValueError(
-        f"unknown drafter {drafter!r}: pass 'ngram', a drafter from load_drafter(), or None"
+        f"unknown drafter {drafter!r}: pass 'ngram', 'mtp', a drafter from load_drafter(), or None"
     )
 
 
@@ -153,7 +182,8 @@ def stream_generate(
     Args:
         model, tokenizer: the target, e.g. from `load`.
         prompt: text or token ids.
-        drafter: None (plain decoding), "ngram" (prompt lookup), or a `Drafter`.
+        drafter: None (plain decoding), "ngram" (prompt lookup), "mtp" (the MTP head converted
+            beside the target), or a `Drafter`.
         num_draft: draft tokens per round (k); 0 decodes plainly.
         temperature, top_p, top_k, min_p: sampling settings (temperature 0 = greedy).
         max_tokens: generated tokens at most.
@@ -169,7 +199,7 @@ def stream_generate(
     ids = encode_prompt(tokenizer, prompt)
     vocab = scored_vocab(model, tokenizer)
     _check_prompt_ids(ids, vocab)
-    drafter = _resolve_drafter(drafter)
+    drafter = _resolve_drafter(drafter, model)
     if num_draft == 0:
         drafter = None
     if drafter is not None:

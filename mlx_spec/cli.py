@@ -30,6 +30,13 @@ def _add_generate(sub) -> None:
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
     drafters.add_argument("--ngram", action="store_true", help="prompt-lookup drafting, no model")
+    drafters.add_argument(
+        "--mtp",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="the checkpoint's own MTP head (default: MODEL/mtp, as written by mlx-spec convert)",
+    )
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -46,9 +53,11 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def _drafter(args):
+def _drafter(args, model):
     if args.ngram:
         return "ngram"
+    if args.mtp is not None:
+        return mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp"
     if args.draft_model:
         return mlx_spec.load_drafter(args.draft_model)
     return None
@@ -62,7 +71,7 @@ def cmd_generate(args) -> int:
         model,
         tokenizer,
         prompt,
-        drafter=_drafter(args),
+        drafter=_drafter(args, model),
         num_draft=args.num_draft,
         temperature=args.temp,
         top_p=args.top_p,

@@ -36,41 +36,65 @@ def target_layers(model: nn.Module) -> list:
 class MTPModule(nn.Module):
     """An MTP head: `module(tokens [1, S], cache=..., hidden=[1, S, T]) -> logits [1, S, V]`.
 
+    Every MTP layer of the checkpoint is kept; drafting reuses layer 0 recursively.
+
     Args:
         family: "deepseek_v3", "qwen3_5" or "mimo".
         target: the target model (its embedding, head and a layer to copy).
         layer_index: which target layer is of the MTP layer's kind.
         eps: RMSNorm epsilon of the target.
+        num_layers: MTP layers in the checkpoint.
+        own_copies: DeepSeek-style tensors the checkpoint ships that differ from the target's
+            ("embed_tokens.weight", "shared_head.head.weight"); used instead of the target's.
     """
 
-    def __init__(self, family: str, target: nn.Module, layer_index: int, eps: float):
+    def __init__(
+        self,
+        family: str,
+        target: nn.Module,
+        layer_index: int,
+        eps: float,
+        num_layers: int = 1,
+        own_copies: tuple[str, ...] = (),
+    ):
         super().__init__()
         if family not in FAMILIES:
             raise ValueError(f"unknown MTP family {family!r}; known: {', '.join(FAMILIES)}")
         self.family = family
         hidden = target_hidden_size(target)
-        layer = copy.deepcopy(target_layers(target)[layer_index])
-        if family == "deepseek_v3":
-            layer.enorm, layer.hnorm = nn.RMSNorm(hidden, eps), nn.RMSNorm(hidden, eps)
-            layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-            layer.shared_head = nn.Module()
-            layer.shared_head.norm = nn.RMSNorm(hidden, eps)
-        elif family == "mimo":
-            layer.token_layernorm = nn.RMSNorm(hidden, eps)
-            layer.hidden_layernorm = nn.RMSNorm(hidden, eps)
-            layer.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
-            layer.final_layernorm = nn.RMSNorm(hidden, eps)
-        else:
+        template = target_layers(target)[layer_index]
+        self.layers = [self._layer(copy.deepcopy(template), hidden, eps) for _ in range(num_layers)]
+        if family == "qwen3_5":
             self.fc = nn.Linear(2 * hidden, hidden, bias=False)
             self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps)
             self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps)
             self.norm = nn.RMSNorm(hidden, eps)
-        self.layers = [layer]
         self.args = target.args  # context limit and vocabulary, as the target's
+        embed, (head, method) = find_embedding(target), find_head(target)
+        vocab = embed.weight.shape[0]
+        if "embed_tokens.weight" in own_copies:
+            self.layers[0].embed_tokens = embed = nn.Embedding(vocab, hidden)
+        if "shared_head.head.weight" in own_copies:
+            self.layers[0].shared_head.head = head = nn.Linear(hidden, vocab, bias=False)
+            method = "__call__"
         # The target's modules, held outside the parameter tree (they are not ours to save).
-        object.__setattr__(self, "_embed", find_embedding(target))
-        object.__setattr__(self, "_head", find_head(target))
+        object.__setattr__(self, "_embed", embed)
+        object.__setattr__(self, "_head", (head, method))
         self.feedback: mx.array | None = None  # what the next draft step is fed as `hidden`
+
+    def _layer(self, layer: nn.Module, hidden: int, eps: float) -> nn.Module:
+        """A copy of a target layer with the family's projection and norms attached."""
+        if self.family == "deepseek_v3":
+            layer.enorm, layer.hnorm = nn.RMSNorm(hidden, eps), nn.RMSNorm(hidden, eps)
+            layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            layer.shared_head = nn.Module()
+            layer.shared_head.norm = nn.RMSNorm(hidden, eps)
+        elif self.family == "mimo":
+            layer.token_layernorm = nn.RMSNorm(hidden, eps)
+            layer.hidden_layernorm = nn.RMSNorm(hidden, eps)
+            layer.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            layer.final_layernorm = nn.RMSNorm(hidden, eps)
+        return layer
 
     def make_cache(self) -> list:
         return [KVCache()]

@@ -1,0 +1,169 @@
+"""MTP drafters: the multi-token-prediction heads shipped with DeepSeek-V3/GLM, Qwen3.5/Next
+and MiMo checkpoints, run on the target's hidden states.
+
+The MTP module sees pairs (h_p, t_{p+1}): the target's hidden state at position p and the token
+that followed. Its cache holds such pairs for the whole sequence. A round feeds the pending true
+pairs and drafts k tokens by feeding its own output back (recursive reuse); after verification
+every self-fed step is rolled back and the verified pairs, taken from the target pass, become
+pending for the next round.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.draft_model import context_budget, draft_steps
+from mlx_spec.models.mtp import MTPModule, target_hidden_size, target_layers
+from mlx_spec.runner import ModelRunner
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MTP_DIR = "mtp"
+
+
+class MTPDrafter(Drafter):
+    """Drafts with an MTP head bound to its target model.
+
+    Args:
+        module: the MTP module, built on `target`.
+        target: the model whose embedding, head and hidden states it uses.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, module: MTPModule, target: nn.Module):
+        self.module = module
+        self.target = target
+        self.runner: ModelRunner | None = None
+        self._pending_tokens: list[int] = []
+        self._pending_hidden: mx.array | None = None
+        self._num_drafted = 0
+
+    def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:
+        if target is not self.target:
+            raise ValueError("this MTP drafter was loaded for another target model")
+
+    def begin(self, prompt: list[int], vocab_size: int, hidden: mx.array | None = None) -> None:
+        self.runner = ModelRunner(self.module, vocab_size)
+        self._num_drafted = 0
+        nexts = prompt[1:]  # the token after each position that has a hidden state
+        if not nexts:
+            self._pending_tokens, self._pending_hidden = [], None
+            return
+        self.runner.prefill(nexts[:-1], hidden=hidden[:-1])
+        self._pending_tokens, self._pending_hidden = nexts[-1:], hidden[-1:]
+
+    def draft(self, k: int, sampling: SamplingConfig) -> Draft:
+        pending = len(self._pending_tokens)
+        k = context_budget(self.runner, k, pending) if pending else 0
+        self._num_drafted = k
+        if k == 0:
+            return Draft.empty()
+        self.runner.checkpoint(pending + k - 1, single_call=False)
+        tokens = mx.array(self._pending_tokens, mx.uint32)
+        return draft_steps(
+            self.runner,
+            tokens,
+            k,
+            sampling,
+            hidden=self._pending_hidden,
+            feedback=lambda: self.module.feedback[0, -1:],
+        )
+
+    def accept(self, num_accepted: int, emitted: list[int], hidden: mx.array | None = None) -> None:
+        if self._num_drafted:
+            # Keep the true pairs fed at the start of the round; drop every self-fed step.
+            self.runner.rollback(len(self._pending_tokens))
+            self._pending_tokens, self._pending_hidden = list(emitted), hidden
+        else:
+            self._pending_tokens = self._pending_tokens + list(emitted)
+            parts = [h for h in (self._pending_hidden, hidden) if h is not None]
+            self._pending_hidden = mx.concatenate(parts) if parts else None
+        self._num_drafted = 0
+
+
+def _text_args(model: nn.Module) -> dict:
+    args = model.args
+    text = getattr(args, "text_config", None)
+    return text if isinstance(text, dict) else vars(args)
+
+
+def _check_target(config: dict, target: nn.Module, where: Path) -> None:
+    text = _text_args(target)
+    want = {
+        "target model type": (config["target_model_type"], target.args.model_type),
+        "hidden size": (config["hidden_size"], target_hidden_size(target)),
+        "vocabulary": (config["vocab_size"], text.get("vocab_size")),
+    }
+    for what, (mtp_value, target_value) in want.items():
+        if mtp_value != target_value:
+            raise ValueError(
+                f"{where}: MTP drafter does not match the target: {what} {mtp_value} vs "
+                f"{target_value}"
+            )
+    index = config["target_layer_index"]
+    if not 0 <= index < len(target_layers(target)):
+        raise ValueError(f"{where}: target has no layer {index} to take the MTP layer kind from")
+
+
+def locate_mtp(path: Path) -> Path:
+    """The MTP drafter directory: `path` itself, or `path/mtp` beside a converted target."""
+    if (path / MTP_DIR / "config.json").is_file():
+        return path / MTP_DIR
+    if (path / "config.json").is_file():
+        if json.loads((path / "config.json").read_text()).get("model_type") != "mtp":
+            raise ValueError(
+                f"{path}: this checkpoint has no MTP drafter (no {MTP_DIR}/ directory); only "
+                "checkpoints that ship MTP layers, converted with `mlx-spec convert`, have one"
+            )
+    return path
+
+
+def _read_config(where: Path) -> dict:
+    try:
+        config = json.loads((where / "config.json").read_text())
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{where}: no MTP drafter here (no config.json)") from exc
+    if config.get("model_type") != "mtp":
+        raise ValueError(f"{where}: not an MTP drafter directory (model_type is not 'mtp')")
+    if config.get("own_copies"):
+        raise ValueError(f"{where}: MTP heads with their own embedding/head are not supported")
+    return config
+
+
+def load_mtp_drafter(path: str | Path, target: nn.Module) -> MTPDrafter:
+    """Load the MTP drafter written by `mlx-spec convert` for `target`.
+
+    Args:
+        path: the drafter directory, or the converted target directory holding it in `mtp/`.
+        target: the loaded target model.
+    Returns:
+        An `MTPDrafter` usable as `drafter=`.
+    """
+    where = locate_mtp(Path(path))
+    config = _read_config(where)
+    _check_target(config, target, where)
+    eps = _text_args(target).get("rms_norm_eps", 1e-6)
+    module = MTPModule(config["mtp_family"], target, config["target_layer_index"], eps)
+    weights = mx.load(str(where / "model.safetensors"))
+    if config.get("quantization"):
+        quant = config["quantization"]
+        nn.quantize(
+            module,
+            quant["group_size"],
+            quant["bits"],
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+        )
+    try:
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ValueError(f"{where}: MTP weights do not fit the target's layer kind: {exc}") from exc
+    if mx.default_device() == mx.cpu:
+        module.set_dtype(mx.float32)
+    mx.eval(module.parameters())
+    return MTPDrafter(module, target)
