@@ -113,7 +113,7 @@ class MTPModule(nn.Module):
         layer = self.layers[0]
         e = self._embed(tokens)
         x = self._project(e, hidden.astype(e.dtype))
-        x = layer(x, create_attention_mask(x, cache[0]), cache[0])
+        x = layer(x, create_attention_mask(x, cache[0], return_array=True), cache[0])
         if self.family == "deepseek_v3":
             z, self.feedback = layer.shared_head.norm(x), x
         else:
