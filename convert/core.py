@@ -17,6 +17,7 @@ from convert.fetch import resolve_source
 from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
 from convert.mtp_build import build_mtp_module
 from convert.safetensors_check import list_tensors
+from mlx_spec.drafters.mtp import save_mtp_drafter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -188,40 +189,6 @@ def _own_copies(mtp: MTPTensors, weights: dict[str, mx.array]) -> tuple[str, ...
     return tuple(sorted(own))
 
 
-def _write_mtp(
-    out: Path,
-    config: dict,
-    mtp: MTPTensors,
-    module: nn.Module,
-    quant_config: dict | None,
-    own_copies: tuple[str, ...],
-) -> None:
-    out.mkdir()
-    tensors = dict(tree_flatten(module.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
-    text = text_config(config)
-    drafter_config = {
-        "model_type": "mtp",
-        "mtp_family": mtp.family.name,
-        "target_model_type": config["model_type"],
-        "num_mtp_layers": mtp.num_layers,
-        "target_layer_index": module.template_index,
-        "hidden_size": text["hidden_size"],
-        "vocab_size": text["vocab_size"],
-        "norm_convention": "x*w",
-        "target": "..",
-        "shared_with_target": [
-            n
-            for n in ("embed_tokens", "lm_head")
-            if not any(c.startswith(n[:5]) for c in own_copies)
-        ],
-        "own_copies": list(own_copies),
-        "quantization": quant_config,
-        "target_config": config,
-    }
-    (out / "config.json").write_text(json.dumps(drafter_config, indent=2))
-
-
 def _copy_side_files(source: Path, out: Path) -> None:
     for name in SIDE_FILES:
         if (source / name).is_file():
@@ -281,13 +248,8 @@ def convert_checkpoint(
         save_config(_without_remote_code(built.config), config_path=out / "config.json")
         _copy_side_files(source, out)
         if built.mtp is not None:
-            _write_mtp(
-                out / MTP_DIR,
-                built.config,
-                built.mtp,
-                built.mtp_module,
-                built.mtp_quantization,
-                built.own_copies,
+            save_mtp_drafter(
+                out / MTP_DIR, built.mtp_module, built.config, quantization=built.mtp_quantization
             )
         provenance = _provenance(
             hf_path,

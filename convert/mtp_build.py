@@ -65,5 +65,4 @@ def build_mtp_module(
     except ValueError as exc:
         raise ConversionError(f"MTP layer does not fit target layer {index}: {exc}") from exc
     mx.eval(module.parameters())
-    module.template_index = index
     return module

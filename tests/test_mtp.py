@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import mlx_spec
-from convert import convert_checkpoint
+from convert import Quantization, convert_checkpoint
 from mlx_spec.drafters.mtp import MTPDrafter, load_mtp_drafter
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig, logits_to_probs
@@ -275,3 +275,25 @@ def test_cli_mtp_default_directory(converted):
         timeout=120,
     )
     assert bad.returncode == 2 and "no MTP drafter" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "family,options,quantization",
+    [
+        ("deepseek_v3", dict(own_copies=True), None),  # its own embedding/head copies
+        ("mimo", dict(num_layers=2), Quantization(bits=4, group_size=32)),  # 4-bit, 2 layers
+    ],
+)
+def test_other_mtp_checkpoint_shapes(tmp_path, family, options, quantization):
+    """MTP heads with their own embedding/head copies, with several layers, and quantized ones
+    load through drafter='mtp' and stay lossless."""
+    source, _ = WRITERS[family](tmp_path / "src")
+    hfm.add_mtp(source, family=family, seed=60, **options)
+    out = convert_checkpoint(
+        str(source), str(tmp_path / "out"), dtype="float32", quantization=quantization
+    ).path
+    model, tok = mlx_spec.load(str(out))
+    tok = with_eos(tok)
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=16).tokens
+    spec = mlx_spec.generate(model, tok, PROMPT, drafter="mtp", num_draft=3, max_tokens=16)
+    assert spec.tokens == plain and spec.stats.drafted > 0

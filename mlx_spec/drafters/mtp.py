@@ -21,6 +21,7 @@ from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 MTP_DIR = "mtp"
 
@@ -87,6 +88,39 @@ class MTPDrafter(Drafter):
         self._num_drafted = 0
 
 
+def save_mtp_drafter(
+    out: Path, module: MTPModule, target_config: dict, *, quantization: dict | None = None
+) -> None:
+    """Write an MTP drafter directory (weights + config) that `load_mtp_drafter` opens."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = dict(tree_flatten(module.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    text = target_config.get("text_config", target_config)
+    config = {
+        "model_type": "mtp",
+        "mtp_family": module.family,
+        "target_model_type": target_config["model_type"],
+        "num_mtp_layers": len(module.layers),
+        "target_layer_index": module.template_index,
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
+        "norm_convention": "x*w",
+        "target": "..",
+        "shared_with_target": [
+            name
+            for name, own in (
+                ("embed_tokens", "embed_tokens.weight"),
+                ("lm_head", "shared_head.head.weight"),
+            )
+            if own not in module.own_copies
+        ],
+        "own_copies": list(module.own_copies),
+        "quantization": quantization,
+        "target_config": target_config,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def _text_args(model: nn.Module) -> dict:
     args = model.args
     text = getattr(args, "text_config", None)
@@ -131,9 +165,18 @@ def _read_config(where: Path) -> dict:
         raise FileNotFoundError(f"{where}: no MTP drafter here (no config.json)") from exc
     if config.get("model_type") != "mtp":
         raise ValueError(f"{where}: not an MTP drafter directory (model_type is not 'mtp')")
-    if config.get("own_copies"):
-        raise ValueError(f"{where}: MTP heads with their own embedding/head are not supported")
     return config
+
+
+def _quantize_like_saved(module: nn.Module, quant: dict, weights: dict) -> None:
+    """Quantize the modules the saved weights hold quantized (per-path settings honoured)."""
+
+    def predicate(path: str, m: nn.Module):
+        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return quant[path] if isinstance(quant.get(path), dict) else True
+
+    nn.quantize(module, quant["group_size"], quant["bits"], class_predicate=predicate)
 
 
 def load_mtp_drafter(path: str | Path, target: nn.Module) -> MTPDrafter:
@@ -149,16 +192,17 @@ def load_mtp_drafter(path: str | Path, target: nn.Module) -> MTPDrafter:
     config = _read_config(where)
     _check_target(config, target, where)
     eps = _text_args(target).get("rms_norm_eps", 1e-6)
-    module = MTPModule(config["mtp_family"], target, config["target_layer_index"], eps)
+    module = MTPModule(
+        config["mtp_family"],
+        target,
+        config["target_layer_index"],
+        eps,
+        num_layers=config.get("num_mtp_layers", 1),
+        own_copies=tuple(config.get("own_copies", ())),
+    )
     weights = mx.load(str(where / "model.safetensors"))
     if config.get("quantization"):
-        quant = config["quantization"]
-        nn.quantize(
-            module,
-            quant["group_size"],
-            quant["bits"],
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
-        )
+        _quantize_like_saved(module, config["quantization"], weights)
     try:
         module.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:

@@ -61,6 +61,8 @@ class MTPModule(nn.Module):
         if family not in FAMILIES:
             raise ValueError(f"unknown MTP family {family!r}; known: {', '.join(FAMILIES)}")
         self.family = family
+        self.template_index = layer_index  # the target layer whose kind the MTP layers share
+        self.own_copies = tuple(own_copies)
         hidden = target_hidden_size(target)
         template = target_layers(target)[layer_index]
         self.layers = [self._layer(copy.deepcopy(template), hidden, eps) for _ in range(num_layers)]
