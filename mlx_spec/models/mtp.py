@@ -82,7 +82,8 @@ class MTPModule(nn.Module):
         # The target's modules, held outside the parameter tree (they are not ours to save).
         object.__setattr__(self, "_embed", embed)
         object.__setattr__(self, "_head", (head, method))
-        self.feedback: mx.array | None = None  # what the next draft step is fed as `hidden`
+        # What the next draft step is fed as `hidden`; kept out of the parameter tree.
+        object.__setattr__(self, "feedback", None)
 
     def _layer(self, layer: nn.Module, hidden: int, eps: float) -> nn.Module:
         """A copy of a target layer with the family's projection and norms attached."""
@@ -117,10 +118,11 @@ class MTPModule(nn.Module):
         x = self._project(e, hidden.astype(e.dtype))
         x = layer(x, create_attention_mask(x, cache[0], return_array=True), cache[0])
         if self.family == "deepseek_v3":
-            z, self.feedback = layer.shared_head.norm(x), x
+            z, feedback = layer.shared_head.norm(x), x
         else:
             z = layer.final_layernorm(x) if self.family == "mimo" else self.norm(x)
-            self.feedback = z
+            feedback = z
+        object.__setattr__(self, "feedback", feedback)
         head, method = self._head
         return getattr(head, method)(z)
 

@@ -1,0 +1,378 @@
+"""Distill a drafter for a target: a small draft model or an MTP head, trained to match the
+frozen target's next-token distribution (KL(target || drafter)) on text.
+
+Training is resumable: a checkpoint (weights, optimizer state, step) is written every
+`checkpoint_every` steps and on Ctrl-C; batches are a pure function of (seed, step), so a resumed
+run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mlx_spec.distill_data import TokenData, encode_files, generate_tokens, text_files
+from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
+from mlx_spec.hidden import tap_hidden
+from mlx_spec.models.mtp import MTPModule, target_layers
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import _get_classes, save_config, save_model
+from tqdm import tqdm
+
+KINDS = ("draft-model", "mtp")
+CHECKPOINT = ".distill-checkpoint"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Settings of one distillation run (recorded in the checkpoint and the output)."""
+
+    kind: str = "draft-model"
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 1e-3
+    checkpoint_every: int = 50
+    seed: int = 0
+    hidden_size: int = 128  # draft model only
+    num_layers: int = 2  # draft model only
+    mtp_family: str = "mimo"  # MTP only: the published layout to store it in
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "checkpoint_every",
+            "hidden_size",
+            "num_layers",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+
+def target_text_config(target_dir: Path) -> dict:
+    config = json.loads((target_dir / "config.json").read_text())
+    return config
+
+
+def student_config(target_config: dict, config: DistillConfig) -> dict:
+    """A small llama-layout draft model with the target's vocabulary and context."""
+    text = target_config.get("text_config", target_config)
+    heads = max(1, config.hidden_size // 64)
+    return {
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "intermediate_size": 4 * config.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": text["vocab_size"],
+        "max_position_embeddings": text.get("max_position_embeddings", 4096),
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": target_config.get("bos_token_id"),
+        "eos_token_id": target_config.get("eos_token_id"),
+    }
+
+
+def build_student(target: nn.Module, target_config: dict, config: DistillConfig):
+    """(student module, its config) for `config.kind`, freshly initialized."""
+    mx.random.seed(config.seed)
+    if config.kind == "draft-model":
+        student_cfg = student_config(target_config, config)
+        model_cls, args_cls = _get_classes(student_cfg)
+        return model_cls(args_cls.from_dict(student_cfg)), student_cfg
+    text = target_config.get("text_config", target_config)
+    layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
+    module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
+    return module, target_config
+
+
+def _kl(teacher_logprobs: mx.array, student_logits: mx.array) -> mx.array:
+    """Mean over positions of KL(teacher || student); both `[..., vocab]`."""
+    student_logprobs = student_logits - mx.logsumexp(student_logits, axis=-1, keepdims=True)
+    return (mx.exp(teacher_logprobs) * (teacher_logprobs - student_logprobs)).sum(-1).mean()
+
+
+class Distiller:
+    """Trains a student against a frozen target on batches from `data`."""
+
+    def __init__(self, target: nn.Module, student: nn.Module, config: DistillConfig):
+        self.target, self.student, self.config = target, student, config
+        self.tap = tap_hidden(target) if config.kind == "mtp" else None
+        self.target.freeze()
+        warmup = max(1, config.steps // 20)
+        schedule = optim.join_schedules(
+            [
+                optim.linear_schedule(1e-7, config.learning_rate, warmup),
+                optim.cosine_decay(config.learning_rate, max(1, config.steps - warmup)),
+            ],
+            [warmup],
+        )
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+        self._grad = nn.value_and_grad(student, self._loss)
+
+    def _teacher(self, tokens: mx.array):
+        logits = self.target(tokens)
+        vocab = logits.shape[-1]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        hidden = self.tap.hidden if self.tap else None
+        return (
+            mx.stop_gradient(logprobs),
+            None if hidden is None else mx.stop_gradient(hidden),
+            vocab,
+        )
+
+    def _loss(self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None) -> mx.array:
+        if self.config.kind == "draft-model":
+            return _kl(teacher, self.student(tokens)[..., : teacher.shape[-1]])
+        # MTP: the pair (h_p, t_{p+1}) predicts t_{p+2}, whose target distribution is at p+1.
+        logits = self.student(tokens[:, 1:], cache=[None], hidden=hidden[:, :-1])
+        return _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
+
+    def step(self, tokens: mx.array) -> float:
+        teacher, hidden, _ = self._teacher(tokens)
+        loss, grads = self._grad(tokens, teacher, hidden)
+        self.optimizer.update(self.student, grads)
+        mx.eval(loss, self.student.parameters(), self.optimizer.state)
+        return loss.item()
+
+    def evaluate(self, batches: list[mx.array]) -> float:
+        """Mean KL(target || student) on fixed batches."""
+        losses = []
+        for tokens in batches:
+            teacher, hidden, _ = self._teacher(tokens)
+            losses.append(self._loss(tokens, teacher, hidden).item())
+        return float(np.mean(losses)) if losses else float("nan")
+
+
+def save_checkpoint(path: Path, distiller: Distiller, step: int) -> None:
+    """Weights, optimizer state and step, written to a temp dir and renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(
+        str(tmp / "student.safetensors"), dict(tree_flatten(distiller.student.parameters()))
+    )
+    state = dict(tree_flatten(distiller.optimizer.state))
+    mx.save_safetensors(
+        str(tmp / "optimizer.safetensors"),
+        {k: v for k, v in state.items() if isinstance(v, mx.array)},
+    )
+    meta = {"step": step, "config": asdict(distiller.config)}
+    (tmp / "state.json").write_text(json.dumps(meta))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def load_checkpoint(path: Path, distiller: Distiller) -> int:
+    """Restore weights and optimizer state; returns the step to continue from."""
+    meta = json.loads((path / "state.json").read_text())
+    if meta["config"] != asdict(distiller.config):
+        raise ValueError(f"{path}: checkpoint was made with other settings; use a new --out")
+    distiller.student.load_weights(str(path / "student.safetensors"))
+    distiller.optimizer.init(distiller.student.trainable_parameters())
+    saved = mx.load(str(path / "optimizer.safetensors"))
+    distiller.optimizer.state = tree_unflatten(list(saved.items()))
+    return meta["step"]
+
+
+def train(distiller: Distiller, data: TokenData, checkpoint: Path, progress: bool = True) -> int:
+    """Run (or resume) training to `config.steps`; returns the steps done in total."""
+    config = distiller.config
+    start = load_checkpoint(checkpoint, distiller) if (checkpoint / "state.json").exists() else 0
+    bar = tqdm(total=config.steps, initial=start, desc="distill", disable=not progress, unit="step")
+    step, tic = start, time.perf_counter()
+    try:
+        while step < config.steps:
+            loss = distiller.step(data.batch(step, config.batch_size, config.seq_len))
+            step += 1
+            rate = config.batch_size * config.seq_len * (step - start) / (time.perf_counter() - tic)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
+            bar.update(1)
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                save_checkpoint(checkpoint, distiller, step)
+    except KeyboardInterrupt:
+        save_checkpoint(checkpoint, distiller, step)  # nothing lost: resume continues here
+        raise
+    finally:
+        bar.close()
+    return step
+
+
+def write_drafter(
+    out: Path, distiller: Distiller, student_cfg: dict, target_dir: Path, report: dict
+) -> None:
+    """Write the drafter directory `mlx-spec generate` loads (atomically)."""
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if distiller.config.kind == "draft-model":
+        save_model(tmp, distiller.student)
+        save_config(dict(student_cfg), config_path=tmp / "config.json")
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "tokenizer.model",
+            "vocab.json",
+            "merges.txt",
+            "generation_config.json",
+        ):
+            if (target_dir / name).is_file():
+                shutil.copy(target_dir / name, tmp / name)
+    else:
+        save_mtp_drafter(tmp, distiller.student, student_cfg)
+    (tmp / "distill.json").write_text(json.dumps(report, indent=2))
+    keep = {CHECKPOINT, DATA_CACHE}
+    if out.exists():
+        for child in out.iterdir():
+            if child.name not in keep:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    for child in tmp.iterdir():
+        child.rename(out / child.name)
+    tmp.rmdir()
+
+
+def drafter_for(distiller: Distiller, tokenizer):
+    """The trained student as a drafter, for measuring acceptance."""
+    from mlx_spec.drafters.draft_model import DraftModelDrafter
+
+    if distiller.config.kind == "mtp":
+        return MTPDrafter(distiller.student, distiller.target)
+    return DraftModelDrafter(distiller.student, tokenizer)
+
+
+def heldout_acceptance(
+    target,
+    tokenizer,
+    drafter,
+    prompts: list[list[int]],
+    temperature: float,
+    k: int = 4,
+    max_tokens: int = 32,
+) -> float:
+    """Acceptance rate of `drafter` over held-out prompts (seeded, so repeatable)."""
+    from mlx_spec.api import generate
+
+    accepted = drafted = 0
+    for i, prompt in enumerate(prompts):
+        stats = generate(
+            target,
+            tokenizer,
+            prompt,
+            drafter=drafter,
+            num_draft=k,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=i,
+        ).stats
+        accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
+    return accepted / drafted if drafted else 0.0
+
+
+def measure(distiller: Distiller, tokenizer, heldout: TokenData) -> dict:
+    """Held-out KL and acceptance (greedy and temperature 1) of the student as it stands."""
+    config = distiller.config
+    batches = heldout.fixed_batches(4, config.batch_size, min(config.seq_len, len(heldout) - 1))
+    drafter = drafter_for(distiller, tokenizer)
+    prompts = heldout.prompts(8, 32)
+    return {
+        "heldout_kl": distiller.evaluate(batches),
+        "acceptance_greedy": heldout_acceptance(distiller.target, tokenizer, drafter, prompts, 0.0),
+        "acceptance_t1": heldout_acceptance(distiller.target, tokenizer, drafter, prompts, 1.0),
+    }
+
+
+DATA_CACHE = ".distill-data.npz"
+
+
+def prepare_data(
+    target, tokenizer, out_dir: Path, data_paths, holdout_paths, generate: int, seed: int
+) -> tuple[TokenData, TokenData]:
+    """Training and held-out tokens, cached in `out_dir` so a resumed run uses the same ones.
+
+    Without data paths the target writes `generate` tokens itself; without held-out paths the
+    last tenth of the training tokens is held out (and never trained on).
+    """
+    cache = out_dir / DATA_CACHE
+    if cache.exists():
+        saved = np.load(cache)
+        return TokenData(saved["train"], seed), TokenData(saved["heldout"], seed)
+    if data_paths:
+        train = encode_files(text_files(data_paths), tokenizer)
+    else:
+        train = generate_tokens(target, tokenizer, generate, seed)
+    if holdout_paths:
+        heldout = encode_files(text_files(holdout_paths), tokenizer)
+    else:
+        cut = int(train.size * 0.9)
+        train, heldout = train[:cut], train[cut:]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.savez(cache, train=train, heldout=heldout)
+    return TokenData(train, seed), TokenData(heldout, seed)
+
+
+def run_distill(
+    target_dir: str,
+    out: str,
+    config: DistillConfig,
+    *,
+    data_paths: tuple = (),
+    holdout_paths: tuple = (),
+    generate: int = 50_000,
+    progress: bool = True,
+    force: bool = False,
+) -> dict:
+    """Distill a drafter for the target at `target_dir` into `out`; returns the report.
+
+    Resumes from `out`'s checkpoint when one exists; writes the drafter directory (loadable by
+    `mlx-spec generate --draft-model OUT` or `--mtp OUT`) and `distill.json` at the end.
+    """
+    from mlx_spec.api import load
+
+    out_dir = Path(out)
+    checkpoint = out_dir / CHECKPOINT
+    if out_dir.exists() and any(out_dir.iterdir()) and not checkpoint.exists() and not force:
+        raise ValueError(
+            f"{out}: already exists and holds no unfinished run to resume "
+            "(use --force to overwrite it)"
+        )
+    target, tokenizer = load(target_dir)
+    data, heldout = prepare_data(
+        target, tokenizer, out_dir, data_paths, holdout_paths, generate, config.seed
+    )
+    student, student_cfg = build_student(target, target_text_config(Path(target_dir)), config)
+    distiller = Distiller(target, student, config)
+    tic = time.perf_counter()
+    before = measure(distiller, tokenizer, heldout) if not checkpoint.exists() else None
+    steps = train(distiller, data, checkpoint, progress)
+    after = measure(distiller, tokenizer, heldout)
+    report = {
+        "kind": config.kind,
+        "steps": steps,
+        "config": asdict(config),
+        "train_tokens": len(data),
+        "heldout_tokens": len(heldout),
+        "seconds": time.perf_counter() - tic,
+        "before": before,
+        "after": after,
+    }
+    write_drafter(out_dir, distiller, student_cfg, Path(target_dir), report)
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    (out_dir / DATA_CACHE).unlink(missing_ok=True)
+    return report
