@@ -17,6 +17,7 @@ from convert.fetch import resolve_source
 from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
 from convert.mtp_build import build_mtp_module
 from convert.safetensors_check import list_tensors
+from mlx_spec.compat import copy_tokenizer_files
 from mlx_spec.drafters.mtp import save_mtp_drafter
 
 import mlx.core as mx
@@ -27,21 +28,6 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 DTYPES = ("float16", "bfloat16", "float32")
 MTP_DIR = "mtp"
 PROVENANCE = "conversion.json"
-# Tokenizer and generation settings travel with the weights.
-SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-    "tiktoken.model",
-    "qwen.tiktoken",
-)
 
 
 @dataclass(frozen=True)
@@ -190,10 +176,7 @@ def _own_copies(mtp: MTPTensors, weights: dict[str, mx.array]) -> tuple[str, ...
 
 
 def _copy_side_files(source: Path, out: Path) -> None:
-    for name in SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, out / name)
-    if not (out / "tokenizer.json").exists() and not (out / "tokenizer.model").exists():
+    if not {"tokenizer.json", "tokenizer.model"} & set(copy_tokenizer_files(source, out)):
         _log("warning: no tokenizer files found in the checkpoint")
 
 

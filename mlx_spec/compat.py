@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import shutil
 import weakref
+from pathlib import Path
 
 import mlx.nn as nn
+
+# Tokenizer and generation settings that travel with a model's weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tiktoken.model",
+    "qwen.tiktoken",
+)
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
+    """Copy the tokenizer and generation files `source` has into `dest`; returns their names."""
+    names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
+    for name in names:
+        shutil.copy(source / name, dest / name)
+    return names
 
 
 def tokenizer_vocab(tokenizer) -> dict[str, int]:

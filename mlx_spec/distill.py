@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mlx_spec.compat import copy_tokenizer_files
 from mlx_spec.distill_data import TokenData, encode_files, generate_tokens, text_files
 from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
 from mlx_spec.hidden import tap_hidden
@@ -223,17 +224,7 @@ def write_drafter(
     if distiller.config.kind == "draft-model":
         save_model(tmp, distiller.student)
         save_config(dict(student_cfg), config_path=tmp / "config.json")
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "tokenizer.model",
-            "vocab.json",
-            "merges.txt",
-            "generation_config.json",
-        ):
-            if (target_dir / name).is_file():
-                shutil.copy(target_dir / name, tmp / name)
+        copy_tokenizer_files(target_dir, tmp)
     else:
         save_mtp_drafter(tmp, distiller.student, student_cfg)
     (tmp / "distill.json").write_text(json.dumps(report, indent=2))

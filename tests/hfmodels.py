@@ -139,18 +139,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def write_tokenizer(path: Path) -> None:
     """tokenizer.json + tokenizer_config.json, as tinymodels.write_checkpoint writes them."""
-    tm.build_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "add_bos_token": False,
-            }
-        )
-    )
+    tm.write_tokenizer(path)
 
 
 def save(model: torch.nn.Module, path: Path, max_shard_size: str | None = None) -> Path:

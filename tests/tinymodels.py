@@ -134,8 +134,13 @@ def write_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     mx.save_safetensors(str(path / "model.safetensors"), weights)
-    tokenizer = tokenizer or build_tokenizer()
-    tokenizer.save(str(path / "tokenizer.json"))
+    write_tokenizer(path, tokenizer)
+    return path
+
+
+def write_tokenizer(path: Path, tokenizer: Tokenizer | None = None) -> None:
+    """tokenizer.json + a tokenizer_config.json that transformers and mlx-lm open."""
+    (tokenizer or build_tokenizer()).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -147,4 +152,3 @@ def write_checkpoint(
             }
         )
     )
-    return path
