@@ -15,6 +15,7 @@ from mlx_spec.api import (  # noqa: E402
 )
 from mlx_spec.drafters.base import Draft, Drafter  # noqa: E402
 from mlx_spec.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from mlx_spec.drafters.gemma4_assistant import load_gemma4_assistant  # noqa: E402
 from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
 from mlx_spec.sampling import SamplingConfig  # noqa: E402
 from mlx_spec.stats import SpecStats  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "generate",
     "load",
     "load_drafter",
+    "load_gemma4_assistant",
     "load_mtp_drafter",
     "stream_generate",
 ]

@@ -228,6 +228,7 @@ def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, st
     tic = time.perf_counter()
     hidden = target.prefill(ids[:-1])
     if drafter is not None:
+        drafter.bind_target(target)
         drafter.begin(ids, target.vocab_size, hidden)
     stats.prefill_seconds = time.perf_counter() - tic
     if drafter is None:

@@ -9,6 +9,7 @@ import sys
 
 import mlx_spec
 from mlx_spec import _blas
+from mlx_spec.distill import KINDS, DistillConfig
 
 EPILOG = """examples:
   mlx-spec generate --model ./target --draft-model ./draft --prompt "def parse_args(argv):"
@@ -25,7 +26,11 @@ def _add_generate(sub) -> None:
         description="Generate from a target model. With --draft-model or --ngram the output is "
         "distributed exactly as plain sampling from the target, only faster.",
     )
-    p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
+    p.add_argument(
+        "--model",
+        help="target: MLX model directory or hub id (default: the "
+        "embedded demo pair, with its MTP head drafting and --compare on)",
+    )
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
@@ -37,6 +42,9 @@ def _add_generate(sub) -> None:
         metavar="DIR",
         help="the checkpoint's own MTP head (default: MODEL/mtp, as written by mlx-spec convert)",
     )
+    drafters.add_argument(
+        "--assistant", metavar="DIR", help="Gemma 4 assistant checkpoint (Gemma 4 targets only)"
+    )
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -45,6 +53,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also decode plainly and report the speedup (on by default without --model)",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -58,20 +71,37 @@ def _drafter(args, model):
         return "ngram"
     if args.mtp is not None:
         return mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp"
+    if args.assistant:
+        return mlx_spec.load_gemma4_assistant(args.assistant, model)
     if args.draft_model:
         return mlx_spec.load_drafter(args.draft_model)
     return None
 
 
+def _demo_defaults(args) -> None:
+    """No --model: the embedded pair, converted on first use, drafting with its MTP head."""
+    from mlx_spec.embedded import converted_pair
+
+    target, draft = converted_pair()
+    args.model, args.compare = str(target), True
+    if not (args.ngram or args.draft_model or args.mtp is not None or args.assistant):
+        args.mtp = ""
+    if args.draft_model == "embedded":
+        args.draft_model = str(draft)
+
+
 def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     _blas.warn_if_slow()
+    if args.model is None:
+        _demo_defaults(args)
     model, tokenizer = mlx_spec.load(args.model)
+    drafter = _drafter(args, model)
     stream = mlx_spec.stream_generate(
         model,
         tokenizer,
         prompt,
-        drafter=_drafter(args, model),
+        drafter=drafter,
         num_draft=args.num_draft,
         temperature=args.temp,
         top_p=args.top_p,
@@ -91,6 +121,8 @@ def cmd_generate(args) -> int:
             tokens.append(chunk.token)
         last = chunk
     stats = last.stats.to_dict()
+    if args.compare and drafter is not None:
+        stats["speedup"] = _speedup(args, model, tokenizer, prompt, stats)
     if args.json:
         record = {
             "text": "".join(pieces),
@@ -105,6 +137,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _speedup(args, model, tokenizer, prompt, stats: dict) -> float:
+    """Decode tokens/s of this run over plain decoding of the same request, measured now."""
+    plain = mlx_spec.generate(
+        model,
+        tokenizer,
+        prompt,
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    ).stats
+    rate = plain.decode_tokens_per_sec
+    return stats["decode_tokens_per_sec"] / rate if rate else 0.0
+
+
 def _summary(stats: dict) -> str:
     line = (
         f"[{stats['generated_tokens']} tokens, {stats['decode_tokens_per_sec']:.1f} tok/s, "
@@ -116,6 +166,8 @@ def _summary(stats: dict) -> str:
             f"{stats['acceptance_rate']:.2f}, mean accepted length "
             f"{stats['mean_accepted_length']:.2f}"
         )
+    if "speedup" in stats:
+        line += f", speedup {stats['speedup']:.2f}x over plain decoding"
     return line + "]"
 
 
@@ -187,6 +239,100 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _add_distill(sub) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="train a drafter (draft model or MTP head) for a target",
+        description="Distill a drafter that matches the frozen target's next-token distribution "
+        "(KL to the target's probabilities) on your text, or on text the target writes itself. "
+        "Checkpoints while it trains; run the same command again to resume after an "
+        "interruption. Reports held-out KL and acceptance before and after.",
+    )
+    p.add_argument("--model", required=True, help="target: MLX model directory")
+    p.add_argument("--out", required=True, help="drafter directory to write")
+    p.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="draft-model",
+        help="a small draft model (default) or an MTP head on the target's states",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="text files or folders to train on (default: text the target writes)",
+    )
+    p.add_argument(
+        "--holdout",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="text kept for evaluation (default: the last tenth of --data)",
+    )
+    p.add_argument(
+        "--generate-tokens",
+        type=int,
+        default=50_000,
+        help="without --data: tokens the target writes to train on (default 50000)",
+    )
+    defaults = DistillConfig()
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    p.add_argument("--lr", type=float, default=defaults.learning_rate, help="peak learning rate")
+    p.add_argument(
+        "--hidden-size", type=int, default=defaults.hidden_size, help="draft model width"
+    )
+    p.add_argument("--layers", type=int, default=defaults.num_layers, help="draft model depth")
+    p.add_argument(
+        "--mtp-family",
+        choices=("mimo", "deepseek_v3", "qwen3_5"),
+        default=defaults.mtp_family,
+        help="layout an MTP head is stored in",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--force", action="store_true", help="overwrite a finished output directory")
+    p.set_defaults(func=cmd_distill)
+
+
+def cmd_distill(args) -> int:
+    from mlx_spec.distill import run_distill
+
+    config = DistillConfig(
+        kind=args.kind,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        learning_rate=args.lr,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        mtp_family=args.mtp_family,
+    )
+    _blas.warn_if_slow()
+    report = run_distill(
+        args.model,
+        args.out,
+        config,
+        data_paths=tuple(args.data),
+        holdout_paths=tuple(args.holdout),
+        generate=args.generate_tokens,
+        force=args.force,
+    )
+    before, after = report["before"] or {}, report["after"]
+    for key in ("heldout_kl", "acceptance_greedy", "acceptance_t1"):
+        was = f"{before[key]:.3f} -> " if key in before else ""
+        print(f"{key}: {was}{after[key]:.3f}")
+    flag = "--mtp" if args.kind == "mtp" else "--draft-model"
+    print(
+        f"wrote {args.out}; use it with: mlx-spec generate --model {args.model} {flag} {args.out}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-spec",
@@ -197,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
+    _add_distill(sub)
     info = sub.add_parser("info", help="versions, device and the BLAS MLX uses")
     info.set_defaults(func=cmd_info)
     return parser

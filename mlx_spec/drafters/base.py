@@ -39,6 +39,10 @@ class Drafter(ABC):
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:  # noqa: B027
         """Raise ValueError if this drafter cannot serve this target and tokenizer."""
 
+    def bind_target(self, target) -> None:  # noqa: B027
+        """Called before `begin` with the target's `ModelRunner`, for drafters that read the
+        target's cache (Gemma 4 assistant); others ignore it."""
+
     @abstractmethod
     def begin(self, prompt: list[int], vocab_size: int, hidden: mx.array | None = None) -> None:
         """Start a new sequence; `prompt` is every token so far, `hidden` the target's

@@ -1,0 +1,47 @@
+"""The embedded demo pair: a target trained on Python sources with its draft model and MTP head,
+shipped in Hugging Face layout and converted by `mlx-spec convert` on first use."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+PAIR_DIR = Path(__file__).parent / "embedded"
+CACHE_ENV = "MLX_SPEC_CACHE"
+
+
+def cache_root() -> Path:
+    """Where converted models are kept: $MLX_SPEC_CACHE, else ~/.cache/mlx-spec."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlx-spec")
+
+
+def available(pair_dir: Path = PAIR_DIR) -> bool:
+    return (pair_dir / "target" / "config.json").is_file()
+
+
+def _fingerprint(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+        if path.suffix == ".json":
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def converted_pair(pair_dir: Path = PAIR_DIR) -> tuple[Path, Path]:
+    """(target dir, draft dir) in MLX format, converting the shipped checkpoints once."""
+    from convert import convert_checkpoint
+
+    if not available(pair_dir):
+        raise FileNotFoundError(
+            "no --model given and the embedded demo pair is not installed; pass --model PATH"
+        )
+    out = []
+    for name in ("target", "draft"):
+        source = pair_dir / name
+        dest = cache_root() / f"embedded-{name}-{_fingerprint(source)}"
+        if not (dest / "config.json").is_file():
+            convert_checkpoint(str(source), str(dest), force=dest.exists())
+        out.append(dest)
+    return out[0], out[1]

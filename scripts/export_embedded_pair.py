@@ -1,0 +1,73 @@
+"""Write the trained embedded pair in Hugging Face layout (float16) into the package.
+
+The target becomes a MiMo checkpoint whose MTP layer sits under `model.mtp_layers.0.*`, exactly
+where MiMo ships it, so `mlx-spec convert` extracts it like a real one. The draft model keeps
+its llama layout. Both carry the byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx_spec  # noqa: F401  (optimized BLAS before mlx)
+
+import mlx.core as mx
+
+
+def _load(folder: Path) -> dict[str, mx.array]:
+    weights = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        weights.update(mx.load(str(path)))
+    return weights
+
+
+def _half(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    return {k: v.astype(mx.float16) for k, v in weights.items()}
+
+
+def _tokenizer(source: Path, dest: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, dest / name)
+
+
+def export_target(work: Path, dest: Path) -> None:
+    """target-hf (Qwen2 layout) + mtp-mlx (MiMo MTP module) -> a MiMo checkpoint."""
+    config = json.loads((work / "target-hf" / "config.json").read_text())
+    config.update(model_type="mimo", architectures=["MiMoForCausalLM"],
+                  num_nextn_predict_layers=1, torch_dtype="float16")
+    config.pop("dtype", None)
+    weights = _load(work / "target-hf")
+    mtp = _load(work / "mtp-mlx")
+    for name, value in mtp.items():
+        if not name.startswith("layers.0."):
+            raise ValueError(f"unexpected MTP tensor {name}")
+        weights["model.mtp_layers.0." + name[len("layers.0.") :]] = value
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), _half(weights),
+                        metadata={"format": "pt"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(work / "target-hf", dest)
+
+
+def export_draft(work: Path, dest: Path) -> None:
+    """draft-mlx (mlx-lm llama, names equal to Hugging Face's) -> a llama checkpoint."""
+    config = json.loads((work / "draft-mlx" / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), _half(_load(work / "draft-mlx")),
+                        metadata={"format": "pt"})
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    _tokenizer(work / "target-hf", dest)
+
+
+def export(work: Path, out: Path) -> None:
+    for name, writer in (("target", export_target), ("draft", export_draft)):
+        tmp = out / f".{name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        writer(work, tmp)
+        shutil.rmtree(out / name, ignore_errors=True)
+        tmp.rename(out / name)
+        size = sum(p.stat().st_size for p in (out / name).iterdir()) / 1e6
+        print(f"wrote {out / name} ({size:.1f} MB)")

@@ -1,0 +1,332 @@
+"""Train the embedded demo pair from nothing, on the Python standard library's sources.
+
+Stages (each resumable; run them in order, or `all`):
+  tokenizer  byte-level BPE (4096 tokens) on the training files
+  target     a Qwen2-layout target trained with PyTorch (the fastest trainer on CPU here)
+  convert    the target converted to MLX with `mlx-spec convert` (for distillation)
+  draft      a small draft model distilled with `mlx-spec distill`
+  mtp        an MTP head distilled with `mlx-spec distill --kind mtp --mtp-family mimo`
+  export     both written in Hugging Face layout: the target as MiMo (its MTP layer under
+             `model.mtp_layers.0.*`, so the real MTP conversion path serves it) and the draft
+
+A fixed list of files is held out for evaluation and never trained on. Requires torch
+(`pip install torch==2.13.0`) and transformers for the target stage only.
+
+    python scripts/train_embedded_pair.py all --minutes 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "embedded"
+OUT = ROOT / "mlx_spec" / "embedded"
+VOCAB = 4096
+EOS = "<|endoftext|>"
+# Held out for evaluation, never trained on (present in CPython 3.10-3.13).
+HELDOUT = (
+    "argparse.py",
+    "textwrap.py",
+    "csv.py",
+    "string.py",
+    "json/decoder.py",
+    "difflib.py",
+    "shlex.py",
+    "fractions.py",
+    "calendar.py",
+    "heapq.py",
+)
+TARGET = dict(
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
+def stdlib_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files) from the running interpreter's standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo")
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not any(part in skip for part in p.relative_to(root).parts[:-1])
+    )
+    heldout = [root / name for name in HELDOUT]
+    return [p for p in files if p not in heldout], heldout
+
+
+def stage_tokenizer(args) -> None:
+    from tokenizers import ByteLevelBPETokenizer
+
+    train, _ = stdlib_files()
+    tok = ByteLevelBPETokenizer()
+    tok.train([str(p) for p in train], vocab_size=VOCAB, min_frequency=2, special_tokens=[EOS])
+    (WORK / "tokenizer").mkdir(parents=True, exist_ok=True)
+    tok.save(str(WORK / "tokenizer" / "tokenizer.json"))
+    print(f"tokenizer: {tok.get_vocab_size()} tokens from {len(train)} files")
+
+
+def load_tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(WORK / "tokenizer" / "tokenizer.json"))
+
+
+def encode(files: list[Path]) -> np.ndarray:
+    tok = load_tokenizer()
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for path in files:
+        ids += tok.encode(path.read_text(errors="replace")).ids + [eos]
+    return np.asarray(ids, np.int32)
+
+
+def _target_config():
+    from transformers import Qwen2Config
+
+    tok = load_tokenizer()
+    eos = tok.token_to_id(EOS)
+    return Qwen2Config(
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        **TARGET,
+    )
+
+
+def stage_target(args) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    train_files, held_files = stdlib_files()
+    data, held = encode(train_files), encode(held_files)
+    model = Qwen2ForCausalLM(_target_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    ckpt = WORK / "target-train.pt"
+    state = {"step": 0, "total": None, "log": []}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+    print(
+        f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+        f"{data.size} training tokens, {held.size} held out; resuming at {state['step']}"
+    )
+    _train_loop(model, opt, data, held, state, ckpt, args)
+    out = WORK / "target-hf"
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copy(WORK / "tokenizer" / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "bos_token": EOS,
+                "unk_token": None,
+                "model_max_length": TARGET["max_position_embeddings"],
+            }
+        )
+    )
+
+
+def _batch(data: np.ndarray, rng, batch: int, seq: int):
+    import torch
+
+    starts = rng.integers(0, data.size - seq - 1, size=batch)
+    return torch.from_numpy(np.stack([data[s : s + seq + 1] for s in starts]).astype(np.int64))
+
+
+def _lr(step: int, total: int, peak: float) -> float:
+    warm = max(1, total // 50)
+    if step < warm:
+        return peak * (step + 1) / warm
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / (total - warm))))
+
+
+def _train_loop(model, opt, data, held, state, ckpt, args) -> None:
+    import torch
+
+    rng = np.random.default_rng(state["step"])
+    tic, last_save = time.time(), time.time()
+    while state["total"] is None or state["step"] < state["total"]:
+        if state["total"] is None and state["step"] == 10:
+            per_step = (time.time() - tic) / 10
+            state["total"] = max(20, int(args.minutes * 60 / per_step))
+            print(f"{per_step:.2f} s/step: planning {state['total']} steps")
+        for group in opt.param_groups:
+            group["lr"] = _lr(state["step"], state["total"] or 10**9, args.lr)
+        batch = _batch(data, rng, args.batch, args.seq)
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] += 1
+        if state["step"] % 50 == 0:
+            entry = {"step": state["step"], "loss": loss.item(), "heldout": _held_loss(model, held)}
+            state["log"].append(entry)
+            print(json.dumps(entry), flush=True)
+        if time.time() - last_save > 300 or state["step"] == state["total"]:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
+            last_save = time.time()
+
+
+def _held_loss(model, held: np.ndarray, seq: int = 256, batches: int = 4) -> float:
+    import torch
+
+    rng = np.random.default_rng(1234)
+    with torch.no_grad():
+        return float(
+            np.mean(
+                [
+                    model(
+                        input_ids=(b := _batch(held, rng, 8, seq))[:, :-1], labels=b[:, :-1]
+                    ).loss.item()
+                    for _ in range(batches)
+                ]
+            )
+        )
+
+
+def _mlx_spec(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "mlx_spec.cli", *args], check=True)
+
+
+def stage_convert(args) -> None:
+    _mlx_spec(
+        "convert",
+        "--hf-path",
+        str(WORK / "target-hf"),
+        "--mlx-path",
+        str(WORK / "target-mlx"),
+        "--dtype",
+        "float32",
+        "--force",
+    )
+
+
+def _heldout_dir() -> Path:
+    """The held-out files copied into one folder (for --holdout)."""
+    folder = WORK / "heldout"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in stdlib_files()[1]:
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+def _train_dir() -> Path:
+    folder = WORK / "train-text"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        for i, path in enumerate(stdlib_files()[0]):
+            shutil.copy(path, folder / f"{i:04d}_{path.name}")
+    return folder
+
+
+def stage_draft(args) -> None:
+    _mlx_spec(
+        "distill",
+        "--model",
+        str(WORK / "target-mlx"),
+        "--out",
+        str(WORK / "draft-mlx"),
+        "--data",
+        str(_train_dir()),
+        "--holdout",
+        str(_heldout_dir()),
+        "--steps",
+        str(args.distill_steps),
+        "--hidden-size",
+        "256",
+        "--layers",
+        "2",
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "8",
+        "--force",
+    )
+
+
+def stage_mtp(args) -> None:
+    _mlx_spec(
+        "distill",
+        "--model",
+        str(WORK / "target-mlx"),
+        "--out",
+        str(WORK / "mtp-mlx"),
+        "--kind",
+        "mtp",
+        "--mtp-family",
+        "mimo",
+        "--data",
+        str(_train_dir()),
+        "--holdout",
+        str(_heldout_dir()),
+        "--steps",
+        str(args.distill_steps),
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "8",
+        "--force",
+    )
+
+
+def stage_export(args) -> None:
+    from export_embedded_pair import export  # kept beside this script
+
+    export(WORK, OUT)
+
+
+STAGES = {
+    "tokenizer": stage_tokenizer,
+    "target": stage_target,
+    "convert": stage_convert,
+    "draft": stage_draft,
+    "mtp": stage_mtp,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("stage", choices=[*STAGES, "export", "all"])
+    parser.add_argument("--minutes", type=float, default=60, help="target training budget")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--distill-steps", type=int, default=1500)
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    stages = {**STAGES, "export": stage_export}
+    for name in list(stages) if args.stage == "all" else [args.stage]:
+        print(f"== {name}", flush=True)
+        stages[name](args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()
