@@ -18,6 +18,15 @@ def context_budget(runner: ModelRunner, k: int, num_pending: int) -> int:
     return max(0, min(k, runner.context_limit - runner.length - num_pending + 1))
 
 
+def pick_token(logits: mx.array, sampling: SamplingConfig) -> tuple[mx.array, mx.array | None]:
+    """The drafted token from `[vocab]` logits and the distribution it was drawn from (None
+    when greedy: verification is then exact match)."""
+    if sampling.greedy:
+        return greedy(logits), None
+    probs = logits_to_probs(logits, sampling)
+    return sample(probs), probs
+
+
 def draft_steps(
     runner: ModelRunner,
     inputs: mx.array,
@@ -30,12 +39,8 @@ def draft_steps(
     take the last position's draw, feed it back (with `feedback()` as its hidden)."""
     tokens, probs = [], []
     for i in range(k):
-        logits = runner(inputs, hidden)[-1]  # [vocab]
-        if sampling.greedy:
-            token = greedy(logits)
-        else:
-            probs.append(logits_to_probs(logits, sampling))
-            token = sample(probs[-1])
+        token, dist = pick_token(runner(inputs, hidden)[-1], sampling)  # from [vocab] logits
+        probs += [] if dist is None else [dist]
         mx.async_eval(token)
         tokens.append(token)
         if i < k - 1:

@@ -14,13 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.draft_model import pick_token
 from mlx_spec.models.gemma4_assistant import (
     AssistantArgs,
     Gemma4Assistant,
     load_assistant,
     read_config,
 )
-from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
+from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -155,12 +156,9 @@ class Gemma4AssistantDrafter(Drafter):
             e = self._embed(token) * self._embed_scale  # [1, T]
             x = mx.concatenate([e, h.astype(e.dtype)], axis=-1)[None]  # [1, 1, 2T]
             logits, h = self.assistant(x, positions, shared)
-            logits, h = logits[0, -1, : self._vocab], h[0]  # [vocab], [1, T]
-            if sampling.greedy:
-                token = greedy(logits)
-            else:
-                probs.append(logits_to_probs(logits, sampling))
-                token = sample(probs[-1])
+            token, dist = pick_token(logits[0, -1, : self._vocab], sampling)
+            probs += [] if dist is None else [dist]
+            h = h[0]  # [1, T]
             mx.async_eval(token, h)
             tokens.append(token)
             token = token.reshape(1)
