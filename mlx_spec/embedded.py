@@ -5,10 +5,37 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sysconfig
 from pathlib import Path
 
-PAIR_DIR = Path(__file__).parent / "embedded"
+PAIR_DIR = Path(__file__).parent / "demo_pair"
 CACHE_ENV = "MLX_SPEC_CACHE"
+# Standard-library files held out of training, for evaluation (present in CPython 3.10-3.13).
+HELDOUT = (
+    "argparse.py",
+    "textwrap.py",
+    "csv.py",
+    "string.py",
+    "json/decoder.py",
+    "difflib.py",
+    "shlex.py",
+    "fractions.py",
+    "calendar.py",
+    "heapq.py",
+)
+_SKIP_DIRS = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo")
+
+
+def stdlib_files() -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): the running interpreter's standard library sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not any(part in _SKIP_DIRS for part in p.relative_to(root).parts[:-1])
+    )
+    heldout = [root / name for name in HELDOUT]
+    return [p for p in files if p not in heldout], heldout
 
 
 def cache_root() -> Path:

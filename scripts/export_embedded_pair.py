@@ -35,8 +35,12 @@ def _tokenizer(source: Path, dest: Path) -> None:
 def export_target(work: Path, dest: Path) -> None:
     """target-hf (Qwen2 layout) + mtp-mlx (MiMo MTP module) -> a MiMo checkpoint."""
     config = json.loads((work / "target-hf" / "config.json").read_text())
-    config.update(model_type="mimo", architectures=["MiMoForCausalLM"],
-                  num_nextn_predict_layers=1, torch_dtype="float16")
+    config.update(
+        model_type="mimo",
+        architectures=["MiMoForCausalLM"],
+        num_nextn_predict_layers=1,
+        torch_dtype="float16",
+    )
     config.pop("dtype", None)
     weights = _load(work / "target-hf")
     mtp = _load(work / "mtp-mlx")
@@ -45,8 +49,7 @@ def export_target(work: Path, dest: Path) -> None:
             raise ValueError(f"unexpected MTP tensor {name}")
         weights["model.mtp_layers.0." + name[len("layers.0.") :]] = value
     dest.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(dest / "model.safetensors"), _half(weights),
-                        metadata={"format": "pt"})
+    mx.save_safetensors(str(dest / "model.safetensors"), _half(weights), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     _tokenizer(work / "target-hf", dest)
 
@@ -56,8 +59,9 @@ def export_draft(work: Path, dest: Path) -> None:
     config = json.loads((work / "draft-mlx" / "config.json").read_text())
     config.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
     dest.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(dest / "model.safetensors"), _half(_load(work / "draft-mlx")),
-                        metadata={"format": "pt"})
+    mx.save_safetensors(
+        str(dest / "model.safetensors"), _half(_load(work / "draft-mlx")), metadata={"format": "pt"}
+    )
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     _tokenizer(work / "target-hf", dest)
 

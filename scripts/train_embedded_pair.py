@@ -23,30 +23,18 @@ import math
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
+
+from mlx_spec.embedded import stdlib_files
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "embedded"
-OUT = ROOT / "mlx_spec" / "embedded"
+OUT = ROOT / "mlx_spec" / "demo_pair"
 VOCAB = 4096
 EOS = "<|endoftext|>"
-# Held out for evaluation, never trained on (present in CPython 3.10-3.13).
-HELDOUT = (
-    "argparse.py",
-    "textwrap.py",
-    "csv.py",
-    "string.py",
-    "json/decoder.py",
-    "difflib.py",
-    "shlex.py",
-    "fractions.py",
-    "calendar.py",
-    "heapq.py",
-)
 TARGET = dict(
     hidden_size=384,
     intermediate_size=1024,
@@ -55,19 +43,6 @@ TARGET = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
-
-
-def stdlib_files() -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) from the running interpreter's standard library."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo")
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if not any(part in skip for part in p.relative_to(root).parts[:-1])
-    )
-    heldout = [root / name for name in HELDOUT]
-    return [p for p in files if p not in heldout], heldout
 
 
 def stage_tokenizer(args) -> None:
@@ -128,6 +103,8 @@ def stage_target(args) -> None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
+    if args.total_steps:
+        state["total"] = args.total_steps
     print(
         f"target: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
         f"{data.size} training tokens, {held.size} held out; resuming at {state['step']}"
@@ -315,6 +292,12 @@ def main() -> None:
     parser.add_argument("stage", choices=[*STAGES, "export", "all"])
     parser.add_argument("--minutes", type=float, default=60, help="target training budget")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--total-steps",
+        type=int,
+        default=0,
+        help="target training steps (default: as many as --minutes allow)",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)

@@ -1,0 +1,81 @@
+"""The embedded demo pair ships in the package, converts on first use (offline), and decodes
+losslessly with each of its drafters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx_spec
+from mlx_spec.embedded import PAIR_DIR, converted_pair, stdlib_files
+
+import pytest
+from conftest import with_eos
+
+PROMPT = "def parse_args(argv):"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    os.environ["MLX_SPEC_CACHE"] = str(cache)
+    try:
+        yield converted_pair()
+    finally:
+        os.environ.pop("MLX_SPEC_CACHE", None)
+
+
+def test_pair_is_small_and_held_out_files_exist():
+    """The committed checkpoints stay under 60 MB; the held-out files exist on this Python."""
+    size = sum(p.stat().st_size for p in PAIR_DIR.rglob("*") if p.is_file())
+    assert 0 < size <= 60e6
+    train, heldout = stdlib_files()
+    assert all(p.is_file() for p in heldout) and not set(train) & set(heldout)
+
+
+def test_converts_once_into_the_cache(pair):
+    """First use converts both checkpoints (the target's MTP head beside it); later uses reuse."""
+    target, draft = pair
+    assert (target / "mtp" / "config.json").is_file() and (draft / "config.json").is_file()
+    assert converted_pair() == pair
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "mtp", "ngram"])
+def test_greedy_speculative_equals_plain(pair, drafter):
+    """Each drafter of the pair reproduces plain greedy decoding token for token."""
+    target, draft = pair
+    model, tok = mlx_spec.load(str(target))
+    tok = with_eos(tok)
+    chosen = mlx_spec.load_drafter(str(draft)) if drafter == "draft-model" else drafter
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=48)
+    spec = mlx_spec.generate(model, tok, PROMPT, drafter=chosen, num_draft=3, max_tokens=48)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.accepted > 0
+
+
+def test_cli_without_model_flags(pair):
+    """`mlx-spec generate --prompt ...` alone runs the pair offline with a drafter on and
+    reports acceptance and speedup."""
+    env = {**os.environ, "MLX_SPEC_CACHE": str(pair[0].parent), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec.cli",
+            "generate",
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "24",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)["stats"]
+    assert stats["drafter"] == "mtp" and stats["speedup"] > 0 and "acceptance_rate" in stats
