@@ -9,12 +9,13 @@ import subprocess
 import sys
 
 import mlx_spec
-from mlx_spec.embedded import PAIR_DIR, converted_pair, stdlib_files
+from mlx_spec.embedded import PAIR_DIR, available, converted_pair, stdlib_files
 
 import pytest
 from conftest import with_eos
 
 PROMPT = "def parse_args(argv):"
+pytestmark = pytest.mark.skipif(not available(), reason="the demo pair is not built yet")
 
 
 @pytest.fixture(scope="module")
