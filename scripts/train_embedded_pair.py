@@ -220,54 +220,33 @@ def _train_dir() -> Path:
     return folder
 
 
-def stage_draft(args) -> None:
-    _mlx_spec(
-        "distill",
+def _distill(args, out: str, *extra: str) -> None:
+    common = [
         "--model",
         str(WORK / "target-mlx"),
         "--out",
-        str(WORK / "draft-mlx"),
+        str(WORK / out),
         "--data",
         str(_train_dir()),
         "--holdout",
         str(_heldout_dir()),
         "--steps",
         str(args.distill_steps),
-        "--hidden-size",
-        "256",
-        "--layers",
-        "2",
         "--seq-len",
         "256",
         "--batch-size",
         "8",
         "--force",
-    )
+    ]
+    _mlx_spec("distill", *common, *extra)
+
+
+def stage_draft(args) -> None:
+    _distill(args, "draft-mlx", "--hidden-size", "256", "--layers", "2")
 
 
 def stage_mtp(args) -> None:
-    _mlx_spec(
-        "distill",
-        "--model",
-        str(WORK / "target-mlx"),
-        "--out",
-        str(WORK / "mtp-mlx"),
-        "--kind",
-        "mtp",
-        "--mtp-family",
-        "mimo",
-        "--data",
-        str(_train_dir()),
-        "--holdout",
-        str(_heldout_dir()),
-        "--steps",
-        str(args.distill_steps),
-        "--seq-len",
-        "256",
-        "--batch-size",
-        "8",
-        "--force",
-    )
+    _distill(args, "mtp-mlx", "--kind", "mtp", "--mtp-family", "mimo")
 
 
 def stage_export(args) -> None:
