@@ -13,6 +13,9 @@ A fixed list of files is held out for evaluation and never trained on. Requires 
 (`pip install torch==2.13.0`) and transformers for the target stage only.
 
     python scripts/train_embedded_pair.py all --minutes 60
+
+Work files (checkpoints, converted models) go to $MLX_SPEC_TRAIN_DIR, else build/embedded;
+the target stage resumes from its checkpoint there (`--total-steps` extends a finished run).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -31,7 +35,7 @@ from mlx_spec.embedded import stdlib_files
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = ROOT / "build" / "embedded"
+WORK = Path(os.environ.get("MLX_SPEC_TRAIN_DIR") or ROOT / "build" / "embedded")
 OUT = ROOT / "mlx_spec" / "demo_pair"
 VOCAB = 4096
 EOS = "<|endoftext|>"
