@@ -313,11 +313,13 @@ def _normalize_rope(cfg: dict) -> None:
         if "rope_theta" in sliding:
             cfg.setdefault("rope_local_base_freq", sliding["rope_theta"])
         params = params["full_attention"] or {}
-    if params.get("rope_theta") is not None:
-        cfg.setdefault("rope_theta", params["rope_theta"])
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if params.get(key) is not None:
+            cfg.setdefault(key, params[key])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default" and not cfg.get("rope_scaling"):
         cfg["rope_scaling"] = {**params, "type": rope_type}
+    cfg.setdefault("rope_scaling", None)  # some mlx-lm models require the key
 
 
 def _normalize_sliding_pattern(cfg: dict) -> None:

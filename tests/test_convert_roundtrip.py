@@ -26,7 +26,12 @@ import hfmodels as hfm  # noqa: E402  (needs torch)
 IDS = [1, 5, 9, 3, 12, 7, 7, 4, 15, 20, 6, 11]  # longer than gemma3's sliding window (4)
 ATOL = 1e-4
 CONVERSION_KEYS = {"source", "dtype", "quantization", "converter", "revision"}
-MTP_FAMILY = {"deepseek_v3": "deepseek_v3", "qwen3_5": "qwen3_5", "mimo": "mimo"}
+MTP_FAMILY = {
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe": "deepseek_v3",
+    "qwen3_5": "qwen3_5",
+    "mimo": "mimo",
+}
 
 
 def _gemma3(path):
@@ -46,6 +51,10 @@ CASES = {
         dict(family="deepseek_v3", num_layers=2),
     ),
     "qwen3_5": (lambda p: hfm.write_qwen3_5_checkpoint(p, seed=5), dict(family="qwen3_5")),
+    "glm4_moe": (  # GLM-4.5 style: DeepSeek's MTP layout on a GLM MoE target
+        lambda p: hfm.write_hf_checkpoint(p, "glm4_moe", seed=10),
+        dict(family="deepseek_v3"),
+    ),
     "mimo": (lambda p: hfm.write_mimo_checkpoint(p, seed=6), dict(family="mimo", num_layers=2)),
     "deepseek_v3-own-copies": (
         lambda p: hfm.write_hf_checkpoint(p, "deepseek_v3", seed=7),
@@ -60,8 +69,8 @@ CASES = {
         dict(family="deepseek_v3"),
     ),
 }
-ROUND_TRIP = ["llama", "qwen3", "gemma3_text", "deepseek_v3", "qwen3_5", "mimo"]
-MTP_CASES = ["deepseek_v3", "qwen3_5", "mimo"]
+ROUND_TRIP = ["llama", "qwen3", "gemma3_text", "deepseek_v3", "glm4_moe", "qwen3_5", "mimo"]
+MTP_CASES = ["deepseek_v3", "glm4_moe", "qwen3_5", "mimo"]
 
 
 @dataclass

@@ -25,9 +25,16 @@ from mlx_lm.models.cache import KVCache
 
 WRITERS = {
     "deepseek_v3": lambda p: hfm.write_hf_checkpoint(p, "deepseek_v3", seed=4),
+    "glm4_moe": lambda p: hfm.write_hf_checkpoint(p, "glm4_moe", seed=7),
     "qwen3_5": lambda p: hfm.write_qwen3_5_checkpoint(p, seed=5),
     "mimo": lambda p: hfm.write_mimo_checkpoint(p, seed=6),
 }
+LAYOUT = {
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe": "deepseek_v3",
+    "qwen3_5": "qwen3_5",
+    "mimo": "mimo",
+}  # the published MTP layout each target family ships
 FAMILIES = list(WRITERS)
 PROMPT = [3, 4, 5, 19, 6, 3, 4]
 
@@ -39,7 +46,7 @@ def converted(tmp_path_factory):
     out = {}
     for family, writer in WRITERS.items():
         source, _ = writer(root / family)
-        hfm.add_mtp(source, family=family, seed=50)
+        hfm.add_mtp(source, family=LAYOUT[family], seed=50)
         out[family] = convert_checkpoint(
             str(source), str(root / f"{family}-mlx"), dtype="float32"
         ).path
@@ -146,7 +153,7 @@ def test_first_step_follows_published_formula(loaded, converted, family):
     tokens = mx.array([[4, 7, 9]])
     e = np.array(module._embed(tokens))
     eps = layer.input_layernorm.eps
-    if family == "deepseek_v3":
+    if LAYOUT[family] == "deepseek_v3":
         joined = np.concatenate(
             [_rms(e, layer.enorm.weight, eps), _rms(h, layer.hnorm.weight, eps)], -1
         )
@@ -178,7 +185,7 @@ def test_first_step_follows_published_formula(loaded, converted, family):
     want = np.array(getattr(head, method)(z))
     got = np.array(module(tokens, cache=module.make_cache(), hidden=h))
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
-    fed_back = x if family == "deepseek_v3" else z  # DeepSeek feeds back before the norm
+    fed_back = x if LAYOUT[family] == "deepseek_v3" else z  # DeepSeek feeds back before the norm
     np.testing.assert_allclose(np.array(module.feedback), np.array(fed_back), atol=2e-4, rtol=1e-4)
     assert isinstance(final, RMSNorm)
 
@@ -288,7 +295,7 @@ def test_other_mtp_checkpoint_shapes(tmp_path, family, options, quantization):
     """MTP heads with their own embedding/head copies, with several layers, and quantized ones
     load through drafter='mtp' and stay lossless."""
     source, _ = WRITERS[family](tmp_path / "src")
-    hfm.add_mtp(source, family=family, seed=60, **options)
+    hfm.add_mtp(source, family=LAYOUT[family], seed=60, **options)
     out = convert_checkpoint(
         str(source), str(tmp_path / "out"), dtype="float32", quantization=quantization
     ).path
