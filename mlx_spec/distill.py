@@ -129,14 +129,9 @@ class Distiller:
 
     def _teacher(self, tokens: mx.array):
         logits = self.target(tokens)
-        vocab = logits.shape[-1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         hidden = self.tap.hidden if self.tap else None
-        return (
-            mx.stop_gradient(logprobs),
-            None if hidden is None else mx.stop_gradient(hidden),
-            vocab,
-        )
+        return mx.stop_gradient(logprobs), None if hidden is None else mx.stop_gradient(hidden)
 
     def _loss(self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None) -> mx.array:
         if self.config.kind == "draft-model":
@@ -146,7 +141,7 @@ class Distiller:
         return _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
 
     def step(self, tokens: mx.array) -> float:
-        teacher, hidden, _ = self._teacher(tokens)
+        teacher, hidden = self._teacher(tokens)
         loss, grads = self._grad(tokens, teacher, hidden)
         self.optimizer.update(self.student, grads)
         mx.eval(loss, self.student.parameters(), self.optimizer.state)
@@ -156,7 +151,7 @@ class Distiller:
         """Mean KL(target || student) on fixed batches."""
         losses = []
         for tokens in batches:
-            teacher, hidden, _ = self._teacher(tokens)
+            teacher, hidden = self._teacher(tokens)
             losses.append(self._loss(tokens, teacher, hidden).item())
         return float(np.mean(losses)) if losses else float("nan")
 
