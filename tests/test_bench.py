@@ -1,0 +1,213 @@
+"""`mlx-spec bench`: the records it writes, the cost model's formula, and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mlx_spec import bench, cli
+from mlx_spec.stats import SpecStats
+
+import pytest
+
+REQUIRED = {
+    "mode",
+    "num_draft",
+    "temperature",
+    "tokens_per_sec",
+    "speedup",
+    "acceptance_rate",
+    "acceptance_by_position",
+    "mean_accepted_length",
+    "target_passes_per_token",
+    "latency_p50_ms",
+    "latency_p95_ms",
+    "prefill_tokens_per_sec",
+    "peak_memory_mb",
+    "rollback_ms",
+    "predicted_speedup",
+    "realized_over_predicted",
+}
+MAX_TOKENS = 16
+
+
+def stats_of(drafted: list[int], accepted: list[int], rounds: int, tokens: int) -> SpecStats:
+    stats = SpecStats(num_draft=len(drafted), generated_tokens=tokens, target_passes=rounds)
+    stats.drafted_per_position, stats.accepted_per_position = drafted, accepted
+    return stats
+
+
+def test_predicted_speedup_full_rounds():
+    """Every round drafts k = 2: E = 1 + sum_i a_i/d_i and the bound is E / (k c + v_k)."""
+    stats = stats_of([10, 10], [8, 5], rounds=10, tokens=23)
+    assert bench.expected_tokens_per_round(stats) == pytest.approx(1 + 0.8 + 0.5)
+    predicted = bench.predicted_speedup(stats, draft_cost=0.1, verify_cost={1: 1.1, 2: 1.2})
+    assert predicted == pytest.approx(2.3 / (2 * 0.1 + 1.2))
+
+
+def test_predicted_speedup_mixed_draft_lengths():
+    """Rounds that draft fewer tokens (an n-gram miss) cost v_j + j c with their own share."""
+    stats = stats_of([6, 4], [3, 1], rounds=10, tokens=14)  # 4 rounds drafted 0, 2 one, 4 two
+    assert bench.draft_length_shares(stats) == pytest.approx({0: 0.4, 1: 0.2, 2: 0.4})
+    c, v = 0.05, {0: 0.9, 1: 1.1, 2: 1.3}
+    cost = 0.4 * 0.9 + 0.2 * (c + 1.1) + 0.4 * (2 * c + 1.3)
+    assert bench.predicted_speedup(stats, c, v) == pytest.approx(1.4 / cost)
+
+
+def test_stats_from_mlx_lm_flags():
+    """Rounds end at each token not from the draft; the last round is cut by max_tokens."""
+    flags = [True, True, False, True, False, False, True]
+    stats = bench.stats_from_flags(flags, num_draft=2)
+    assert stats.target_passes == 4 and stats.generated_tokens == 7
+    assert stats.drafted_per_position == [4, 3]
+    assert stats.accepted_per_position == [3, 1]
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("abcabcab\n\nponmlk\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def self_draft_report(checkpoints, prompts_file):
+    """The target drafting for itself (acceptance 1 at greedy), every mode but MTP."""
+    target = str(checkpoints["llama"][0])
+    config = bench.BenchConfig(
+        model=target,
+        draft_model=target,
+        prompts_file=str(prompts_file),
+        max_tokens=MAX_TOKENS,
+        num_draft=(1, 3),
+        repeats=1,
+        micro_repeats=2,
+    )
+    return bench.run_bench(config)
+
+
+def test_report_records(self_draft_report):
+    """One JSON record per configuration with every required field; plain is the baseline."""
+    record = json.loads(self_draft_report.to_json())
+    results = record["results"]
+    assert {r["mode"] for r in results} == {"plain", "draft-model", "ngram", "mlx-lm"}
+    assert len(results) == 2 * (1 + 3 * 2)  # two temperatures: plain + 3 modes x 2 k
+    for r in results:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert r["tokens_per_sec"] > 0 and r["peak_memory_mb"] > 0
+        assert r["generated_tokens"] == MAX_TOKENS * 2  # two prompts, EOS off
+    for r in (r for r in results if r["mode"] == "plain"):
+        assert r["speedup"] == 1.0 and r["acceptance_rate"] is None and r["num_draft"] == 0
+    for r in (r for r in results if r["mode"] in ("draft-model", "mlx-lm")):
+        assert r["predicted_speedup"] > 0 and r["vs_mlx_lm"] > 0
+    assert {"header", "costs", "summary"} <= set(record)
+    assert record["header"]["max_tokens"] == MAX_TOKENS
+
+
+def test_self_draft_accepts_everything(self_draft_report):
+    """Greedy self-drafting accepts every draft, in mlx-spec and in mlx-lm, and every greedy
+    configuration reproduces plain decoding's tokens."""
+    for mode in ("draft-model", "mlx-lm"):
+        for k in (1, 3):
+            r = self_draft_report.result(mode, k, 0.0)
+            assert r.acceptance_rate == pytest.approx(1.0)
+            assert r.acceptance_by_position == pytest.approx([1.0] * k)
+            assert r.matches_plain is True
+    r = self_draft_report.result("draft-model", 3, 0.0)
+    assert r.expected_tokens_per_round == pytest.approx(4.0, abs=0.3)  # the cut last rounds
+
+
+def test_markdown_table(self_draft_report):
+    """The terminal table has a header row and one row per configuration."""
+    text = self_draft_report.to_markdown()
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| mode | k | T | tok/s | speedup |")
+    assert (
+        sum(row.startswith(("| plain ", "| draft-model ", "| ngram ", "| mlx-lm ")) for row in rows)
+        == 14
+    )
+    assert "BLAS" in text and "mlx-spec / mlx-lm" in text
+
+
+def test_cli_quick(checkpoints, prompts_file, tmp_path):
+    """`mlx-spec bench --quick` on tiny models prints the table and writes the JSON."""
+    target, draft = map(str, checkpoints["llama"])
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_spec.cli",
+            "bench",
+            "--model",
+            target,
+            "--draft-model",
+            draft,
+            "--prompts",
+            str(prompts_file),
+            "--quick",
+            "--temperatures",
+            "0",
+            "--json",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| mode | k | T |" in proc.stdout
+    results = json.loads(out.read_text())["results"]
+    assert {(r["mode"], r["num_draft"]) for r in results} == {
+        ("plain", 0),
+        *((mode, k) for mode in ("draft-model", "ngram", "mlx-lm") for k in (2, 4)),
+    }
+    assert all(REQUIRED <= set(r) for r in results)
+
+
+def one_line_error(capsys, *args: str) -> str:
+    """Run `mlx-spec ARGS` in process; assert exit code 2 and a single error line."""
+    assert cli.main(list(args)) == 2
+    lines = [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if not line.startswith("mlx-spec: warning:")
+    ]
+    assert len(lines) == 1 and lines[0].startswith("mlx-spec: error:"), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "case, text, message",
+    [
+        ("missing", None, "no such prompts file"),
+        ("empty", "\n  \n", "no prompts"),
+        ("bad-json", '{"prompt": "ab"}\n{"text": "cd"}\n', ':2: expected an object'),
+        ("too-long", "ab" * 400 + "\n", "does not fit the context"),
+    ],
+)  # fmt: skip
+def test_bad_prompts_file(checkpoints, tmp_path, capsys, case, text, message):
+    path = tmp_path / "prompts.txt"
+    if text is not None:
+        path.write_text(text)
+    target = str(checkpoints["llama"][0])
+    line = one_line_error(capsys, "bench", "--model", target, "--prompts", str(path))
+    assert message in line
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--num-draft", "0"), ("--num-draft", "2,x"), ("--temperatures", "-1"), ("--modes", "beam")],
+)
+def test_bad_lists(checkpoints, capsys, flag, value):
+    target = str(checkpoints["llama"][0])
+    assert flag in one_line_error(capsys, "bench", "--model", target, flag, value)
+
+
+def test_draft_modes_need_a_draft_model(checkpoints, prompts_file, capsys):
+    target = str(checkpoints["llama"][0])
+    line = one_line_error(
+        capsys, "bench", "--model", target, "--prompts", str(prompts_file), "--modes", "mlx-lm"
+    )
+    assert "--draft-model" in line
