@@ -194,11 +194,9 @@ def stream_generate(
     """
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     _check_settings(num_draft, max_tokens)
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    ids = encode_prompt(tokenizer, prompt)
+    tokenizer = wrap_tokenizer(tokenizer)
     vocab = scored_vocab(model, tokenizer)
-    _check_prompt_ids(ids, vocab)
+    ids = checked_prompt(tokenizer, prompt, vocab)
     drafter = _resolve_drafter(drafter, model)
     if num_draft == 0:
         drafter = None
@@ -210,10 +208,7 @@ def stream_generate(
         rollback=drafter is not None,
         keep_hidden=drafter is not None and drafter.needs_hidden,
     )
-    if target.context_limit is not None and len(ids) >= target.context_limit:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"
-        )
+    check_fits(ids, target)
     if seed is not None:
         mx.random.seed(seed)
     stats = SpecStats(
@@ -224,6 +219,26 @@ def stream_generate(
     )
 
 
+def wrap_tokenizer(tokenizer) -> TokenizerWrapper:
+    """mlx-lm's `TokenizerWrapper` around a tokenizer (unchanged if it is one)."""
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
+def checked_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int], vocab: int):
+    """The prompt's token ids; ValueError when it is empty or holds ids outside the vocabulary."""
+    ids = encode_prompt(tokenizer, prompt)
+    _check_prompt_ids(ids, vocab)
+    return ids
+
+
+def check_fits(ids: list[int], target: ModelRunner) -> None:
+    """ValueError when the prompt leaves no room in the target's context."""
+    if target.context_limit is not None and len(ids) >= target.context_limit:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"
+        )
+
+
 def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, stats, stop):
     tic = time.perf_counter()
     hidden = target.prefill(ids[:-1])
@@ -231,34 +246,72 @@ def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, st
         drafter.bind_target(target)
         drafter.begin(ids, target.vocab_size, hidden)
     stats.prefill_seconds = time.perf_counter() - tic
+    yield from decode(
+        target, drafter, ids[-1], tokenizer, sampling, num_draft, max_tokens, stats, stop
+    )
+
+
+def decode(
+    target: ModelRunner,
+    drafter: Drafter | None,
+    last: int,
+    tokenizer: TokenizerWrapper,
+    sampling: SamplingConfig,
+    num_draft: int,
+    max_tokens: int,
+    stats: SpecStats,
+    stop: Sequence[str],
+    trace: list[int] | None = None,
+) -> Iterator[GenerationChunk]:
+    """Decode after the prompt: `target` holds every prompt token but `last`, the drafter (if
+    any) has been begun or extended on the same sequence. Yields the chunks of
+    `stream_generate`. When the output ends or the consumer closes the generator, the caches
+    hold the sequence up to its last kept token; `trace` (if given) gets the tokens added to
+    the sequence (beyond what is emitted: an EOS token, or the token the plain pipeline fed)."""
+    replays = _replays(target, drafter)
     if drafter is None:
-        rounds = plain_rounds(target, ids[-1], sampling=sampling, max_tokens=max_tokens)
+        rounds = plain_rounds(target, last, sampling=sampling, max_tokens=max_tokens, trace=trace)
     else:
         rounds = speculative_rounds(
             target,
             drafter,
-            ids[-1],
+            last,
             num_draft=num_draft,
             sampling=sampling,
             max_tokens=max_tokens,
             stats=stats,
+            trace=trace,
         )
-    yield from _emit(rounds, tokenizer, stats, StopMatcher(stop), max_tokens)
-    stats.replays += target.replays + getattr(getattr(drafter, "runner", None), "replays", 0)
+    try:
+        yield from _emit(rounds, tokenizer, stats, StopMatcher(stop), max_tokens)
+    finally:
+        stats.replays += _replays(target, drafter) - replays
+
+
+def _replays(target: ModelRunner, drafter: Drafter | None) -> int:
+    return target.replays + getattr(getattr(drafter, "runner", None), "replays", 0)
 
 
 def _emit(
     rounds: Iterator[Round], tokenizer, stats: SpecStats, stopper: StopMatcher, max_tokens: int
 ) -> Iterator[GenerationChunk]:
-    """Turn rounds into chunks, cutting at EOS, a stop string or max_tokens."""
+    """Turn rounds into chunks, cutting at EOS, a stop string or max_tokens; each round is cut
+    (`Round.keep`) where the output ended, or after the last chunk its consumer took."""
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     eos = set(tokenizer.eos_token_ids)
     finish, tic = "length", time.perf_counter()
     try:
         for rnd in rounds:
-            emitted, finish = _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens)
-            yield from emitted
+            emitted, finish, keep = _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens)
+            for i, chunk in enumerate(emitted):
+                rnd.keep = i + 1
+                try:
+                    yield chunk
+                except GeneratorExit:  # the consumer stopped listening after this chunk
+                    stats.observe_round(rnd.num_drafted, rnd.num_accepted, i + 1, rnd.seconds)
+                    raise
+            rnd.keep = keep
             stats.observe_round(rnd.num_drafted, rnd.num_accepted, len(emitted), rnd.seconds)
             if finish is not None:
                 break
@@ -273,19 +326,20 @@ def _emit(
 
 
 def _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens):
-    """Chunks of one round up to the first stopping point, and the finish reason if it ended."""
+    """Chunks of one round up to the first stopping point, the finish reason if it ended, and
+    how many of the round's tokens stay in the sequence (an EOS token does; None: all)."""
     chunks = []
     for i, token in enumerate(rnd.tokens):
         if token in eos:
-            return chunks, "stop"
+            return chunks, "stop", i + 1
         detokenizer.add_token(token)
         text, hit = stopper.feed(detokenizer.last_segment)
         chunks.append(GenerationChunk(text=text, token=token, from_draft=i < rnd.num_accepted))
         if hit:
-            return chunks, "stop"
+            return chunks, "stop", i + 1
         if stats.generated_tokens + len(chunks) >= max_tokens:
-            return chunks, "length"
-    return chunks, None
+            return chunks, "length", i + 1
+    return chunks, None, None
 
 
 def generate(

@@ -150,8 +150,38 @@ class CacheRollback:
 
     def verify(self, length: int) -> None:
         """Raise RollbackError unless every positional cache holds exactly `length` tokens."""
-        for c in self.leaves:
-            if not isinstance(c, ArraysCache) and c.offset != length:
-                raise RollbackError(
-                    f"{type(c).__name__} offset is {c.offset} after rollback, expected {length}"
-                )
+        check_length(self.leaves, length)
+
+
+def check_length(cache: list, length: int) -> None:
+    """Raise RollbackError unless every positional cache holds exactly `length` tokens."""
+    for c in cache_leaves(cache):
+        if not isinstance(c, ArraysCache) and c.offset != length:
+            raise RollbackError(f"{type(c).__name__} offset is {c.offset}, expected {length}")
+
+
+def _cuttable(c) -> bool:
+    if isinstance(c, ArraysCache):
+        return False
+    if isinstance(c, RotatingKVCache):
+        # Before the window wraps the buffer is in position order: cutting the end is exact.
+        return c.offset <= c.max_size and c._idx == c.offset
+    return isinstance(c, _TRIMMABLE)
+
+
+def cut_cache(cache: list, num: int) -> bool:
+    """Drop the last `num` tokens of every cache in place when that is exact for all of them
+    (KV caches; sliding windows that never wrapped). Returns False, changing nothing, when some
+    cache cannot be cut (recurrent state, a wrapped window): the caller then starts afresh."""
+    if num <= 0:
+        return True
+    leaves = cache_leaves(cache)
+    if not all(_cuttable(c) and c.offset >= num for c in leaves):
+        return False
+    for c in leaves:
+        if isinstance(c, RotatingKVCache):
+            c.offset -= num
+            c._idx -= num
+        elif c.trim(num) != num:
+            raise RollbackError(f"{type(c).__name__} trimmed fewer than {num} tokens")
+    return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlx_spec.cache import CacheRollback
+from mlx_spec.cache import CacheRollback, check_length, cut_cache
 from mlx_spec.hidden import tap_hidden
 
 import mlx.core as mx
@@ -80,6 +80,17 @@ class ModelRunner:
         if self._tap is None:
             return None
         return mx.concatenate(kept) if kept else mx.zeros((0, 1))
+
+    def truncate(self, length: int) -> bool:
+        """Keep only the first `length` cached tokens, in place, when every cache can be cut
+        exactly (see `cache.cut_cache`); returns False, changing nothing, when one cannot."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate {self.length} cached tokens to {length}")
+        if not cut_cache(self.cache, self.length - length):
+            return False
+        self.length = length
+        check_length(self.cache, length)
+        return True
 
     def checkpoint(self, num_tokens: int, single_call: bool) -> None:
         """Mark the cache state before feeding up to `num_tokens` tokens."""

@@ -14,11 +14,17 @@ class SpecStats:
     A round is one target pass: its drafts, its accepted prefix, and the recovered or bonus token.
     Only emitted tokens are counted: a round cut short by EOS, a stop sequence or max_tokens
     counts the draft positions up to the cut.
+
+    `cached_tokens`: prompt tokens already in the caches from an earlier turn of a `Session`
+    (only the rest were prefilled); `cache_reset`: that session's caches could not be cut back
+    to the new prompt and were rebuilt from scratch.
     """
 
     drafter: str = "none"
     num_draft: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cache_reset: bool = False
     generated_tokens: int = 0
     target_passes: int = 0
     replays: int = 0
@@ -63,8 +69,13 @@ class SpecStats:
         return self.generated_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens the target had to process (those not already cached)."""
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
     def prefill_tokens_per_sec(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_sec(self) -> float:
@@ -83,6 +94,9 @@ class SpecStats:
             "drafter": self.drafter,
             "num_draft": self.num_draft,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "cache_reset": self.cache_reset,
             "generated_tokens": self.generated_tokens,
             "target_passes": self.target_passes,
             "drafted_tokens": self.drafted,

@@ -225,6 +225,24 @@ def test_greedy_equals_plain_centroid_head(gemma, prompt):
     assert result.tokens == plain and result.stats.drafted > 0
 
 
+def test_session_turns_reuse_the_cache(gemma):
+    """In a session the assistant follows the target's cache across turns: turn two (turn one's
+    prompt + reply + new tokens, and then a prompt that is a prefix of the cached tokens)
+    decodes what plain decoding does, prefilling only the new tokens."""
+    from mlx_spec.session import Session
+
+    model, tok = gemma["target"]
+    session = Session(model, tok, drafter=load_gemma4_assistant(gemma["copy"][0], model))
+    first = session.generate(PROMPT, num_draft=3, max_tokens=20)
+    prompt = PROMPT + first.tokens + [5, 6, 7]
+    second = session.generate(prompt, num_draft=3, max_tokens=20)
+    assert second.tokens == mlx_spec.generate(model, tok, prompt, max_tokens=20).tokens
+    assert second.stats.drafted > 0 and not second.stats.cache_reset
+    assert second.stats.prefilled_tokens == 4  # the 3 new tokens and the pending last one
+    third = session.generate(prompt[:12], num_draft=3, max_tokens=20)  # a rewind: cut back
+    assert third.tokens == mlx_spec.generate(model, tok, prompt[:12], max_tokens=20).tokens
+
+
 class LoggingAssistant:
     """Wraps the assistant model and keeps every (inputs, outputs) of its calls."""
 

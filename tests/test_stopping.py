@@ -94,12 +94,13 @@ def eos_candidate(entry, kind):
 
 def expected_positions(rounds, cut: int, k: int) -> tuple[list[int], list[int]]:
     """Drafted/accepted counts per draft position when the output is cut after `cut` tokens
-    inside an accepted run: full rounds count fully, the cut round counts only emitted drafts."""
+    inside an accepted run: full rounds count fully, the cut round counts only emitted drafts.
+    (The drafter is told that the cut round ended at the cut: its accepted drafts up to it.)"""
     drafted, accepted = [0] * k, [0] * k
     start = 0
     for num_drafted, num_accepted, emitted in rounds:
         if start + len(emitted) > cut:  # the round holding the cut
-            assert cut - start < num_accepted, "the cut is not inside the accepted run"
+            assert cut - start <= num_accepted, "the cut is not inside the accepted run"
             num_drafted = num_accepted = cut - start
         for i in range(num_drafted):
             drafted[i] += 1
@@ -140,6 +141,9 @@ def test_eos_inside_accepted_run_truncates_output_and_stats(loaded, family, kind
     assert trimmed(stats.accepted_per_position) == trimmed(accepted)
     assert stats.accepted == sum(c.from_draft for c in chunks)
     assert stats.target_passes == len(drafter.rounds), "a target pass ran after the EOS"
+    # the caches end at the EOS: the drafter's last round ends with it, later drafts dropped
+    assert drafter.rounds[-1][2][-1] == tokens[p]
+    assert sum(len(emitted) for _, _, emitted in drafter.rounds) == p + 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,4 +1,5 @@
-"""The drafter interface: begin / draft / accept (the decode loop never asks what kind)."""
+"""The drafter interface: begin / draft / accept, and extend for the next turn of a conversation
+(the decode loop never asks what kind)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,35 @@ class Drafter(ABC):
     def begin(self, prompt: list[int], vocab_size: int, hidden: mx.array | None = None) -> None:
         """Start a new sequence; `prompt` is every token so far, `hidden` the target's
         `[len(prompt) - 1, T]` hidden states for all but the last (if `needs_hidden`)."""
+
+    def extend(
+        self,
+        prompt: list[int],
+        common: int,
+        vocab_size: int,
+        hidden: mx.array | None = None,
+        hidden_start: int = 0,
+    ) -> bool:
+        """Move on to a new prompt that continues the sequence so far (a conversation's next
+        turn) without starting from scratch.
+
+        Args:
+            prompt: every token of the new sequence.
+            common: how many first tokens `prompt` shares with the sequence so far (the last
+                `begin`/`extend` prompt plus every token emitted since).
+            vocab_size: as in `begin`.
+            hidden: if `needs_hidden`, the target's hidden states at positions
+                `hidden_start .. len(prompt) - 2` (those it just prefilled); `hidden_start` is
+                at most `common`.
+        Returns:
+            False when the drafter cannot continue; the caller then calls `begin` with the
+            hidden states of the whole prompt. The default begins again over the whole prompt
+            (drafters without hidden states) or returns False (drafters with them).
+        """
+        if self.needs_hidden:
+            return False
+        self.begin(prompt, vocab_size)
+        return True
 
     @abstractmethod
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:

@@ -85,6 +85,21 @@ class DraftModelDrafter(Drafter):
         self._pending = [prompt[-1]]
         self._num_drafted = 0
 
+    def extend(self, prompt, common, vocab_size, hidden=None, hidden_start=0) -> bool:
+        """Cut the cache back to the shared prefix and prefill only the new tokens."""
+        keep = 0 if self.runner is None else min(self.runner.length, common, len(prompt) - 1)
+        limit = None if self.runner is None else self.runner.context_limit
+        if self._idle or keep == 0 or (limit is not None and len(prompt) >= limit):
+            self.begin(prompt, vocab_size)
+            return True
+        if not self.runner.truncate(keep):  # a recurrent or wrapped cache: start afresh
+            self.begin(prompt, vocab_size)
+            return True
+        self.runner.prefill(prompt[keep:-1])
+        self._pending = [prompt[-1]]
+        self._num_drafted = 0
+        return True
+
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         k = 0 if self._idle else context_budget(self.runner, k, len(self._pending))
         self._num_drafted = 0

@@ -114,6 +114,7 @@ class Gemma4AssistantDrafter(Drafter):
         self._vocab = 0
         self._token: int | None = None
         self._hidden: mx.array | None = None  # [1, T]
+        self._length = 0  # tokens in the sequence, `_token` included
 
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:
         if target is not self.target:
@@ -144,6 +145,19 @@ class Gemma4AssistantDrafter(Drafter):
         self._token = prompt[-1]
         # A one-token prompt has no hidden state yet: the first round drafts nothing.
         self._hidden = hidden[-1:] if hidden is not None and hidden.shape[0] else None
+        self._length = len(prompt)
+
+    def extend(self, prompt, common, vocab_size, hidden=None, hidden_start=0) -> bool:
+        """Only the last token and the hidden state that predicted it are needed: from the
+        target's new hidden states, or kept when the prompt adds one token to the sequence."""
+        if hidden is not None and hidden.shape[0]:
+            self.begin(prompt, vocab_size, hidden)
+            return True
+        same_state = self._length == len(prompt) and common >= len(prompt) - 1
+        if len(prompt) > 1 and not (same_state and self._hidden is not None):
+            return False
+        self.begin(prompt, vocab_size, self._hidden if len(prompt) > 1 else None)
+        return True
 
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         if k == 0 or self._hidden is None:
@@ -168,6 +182,7 @@ class Gemma4AssistantDrafter(Drafter):
         # No cache of its own: only the last token and the hidden state that predicted it.
         self._token = emitted[-1]
         self._hidden = None if hidden is None else hidden[-1:]
+        self._length += len(emitted)
 
     def _shared_kv(self) -> dict[str, tuple[mx.array, mx.array]]:
         """{layer type: (keys, values) `[1, kv_heads, S, D]`} read from the target's cache."""

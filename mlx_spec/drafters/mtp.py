@@ -59,6 +59,40 @@ class MTPDrafter(Drafter):
         self.runner.prefill(nexts[:-1], hidden=hidden[:-1])
         self._pending_tokens, self._pending_hidden = nexts[-1:], hidden[-1:]
 
+    def extend(
+        self,
+        prompt: list[int],
+        common: int,
+        vocab_size: int,
+        hidden: mx.array | None = None,
+        hidden_start: int = 0,
+    ) -> bool:
+        """Keep the cached pairs of the shared prefix, feed the new ones. Pair p is
+        (h_p, t_{p+1}); it stays valid while t_{p+1} is shared. The hidden states of new pairs
+        come from the pending pairs (positions before `hidden_start`) and `hidden` (after)."""
+        if self.runner is None or len(prompt) < 2:
+            return False
+        cached = self.runner.length
+        keep = max(0, min(cached, common - 1, len(prompt) - 2))  # pairs kept in the cache
+        rows = []
+        if hidden_start > keep:  # positions keep .. hidden_start - 1 must be pending pairs
+            have = len(self._pending_tokens)
+            if keep < cached or hidden_start > cached + have or self._pending_hidden is None:
+                return False
+            rows.append(self._pending_hidden[keep - cached : hidden_start - cached])
+        if hidden is not None and hidden.shape[0]:
+            rows.append(hidden[max(0, keep - hidden_start) :])
+        states = mx.concatenate(rows) if rows else None
+        if states is None or states.shape[0] != len(prompt) - 1 - keep:
+            return False
+        if not self.runner.truncate(keep):
+            return False
+        nexts = prompt[keep + 1 :]  # the token after each position keep .. len(prompt) - 2
+        self.runner.prefill(nexts[:-1], hidden=states[:-1])
+        self._pending_tokens, self._pending_hidden = nexts[-1:], states[-1:]
+        self._num_drafted = 0
+        return True
+
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         pending = len(self._pending_tokens)
         k = context_budget(self.runner, k, pending) if pending else 0

@@ -47,6 +47,12 @@ class NgramDrafter(Drafter):
         self._len = 0
         self._extend(prompt)
 
+    def extend(self, prompt, common, vocab_size, hidden=None, hidden_start=0) -> bool:
+        """Keep the shared prefix of the history and append the rest of the new prompt."""
+        self._len = min(self._len, common)
+        self._extend(prompt[self._len :])
+        return True
+
     def _extend(self, tokens: list[int]) -> None:
         if self._len + len(tokens) > self._buf.size:
             grown = np.zeros(2 * (self._len + len(tokens)), np.int64)
