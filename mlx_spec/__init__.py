@@ -18,6 +18,7 @@ from mlx_spec.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from mlx_spec.drafters.gemma4_assistant import load_gemma4_assistant  # noqa: E402
 from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
 from mlx_spec.sampling import SamplingConfig  # noqa: E402
+from mlx_spec.session import Session  # noqa: E402
 from mlx_spec.stats import SpecStats  # noqa: E402
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "GenerationResult",
     "NgramDrafter",
     "SamplingConfig",
+    "Session",
     "SpecStats",
     "generate",
     "load",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -297,7 +298,7 @@ def _emit(
 ) -> Iterator[GenerationChunk]:
     """Turn rounds into chunks, cutting at EOS, a stop string or max_tokens; each round is cut
     (`Round.keep`) where the output ended, or after the last chunk its consumer took."""
-    detokenizer = tokenizer.detokenizer
+    detokenizer = copy.copy(tokenizer.detokenizer)  # own state: streams may interleave
     detokenizer.reset()
     eos = set(tokenizer.eos_token_ids)
     finish, tic = "length", time.perf_counter()

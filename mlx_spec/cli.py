@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -16,6 +17,8 @@ EPILOG = """examples:
   mlx-spec generate --model ./target --ngram --temp 1.0 --seed 0 --prompt "..." --json
   mlx-spec convert --hf-path Qwen/Qwen3-0.6B --mlx-path ./qwen3-0.6b
   mlx-spec bench --quick --json bench.json
+  mlx-spec chat --model ./target --ngram --system "Be brief."
+  mlx-spec serve --model ./target --draft-model ./draft --port 8080
   mlx-spec info
 """
 
@@ -423,6 +426,143 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _add_drafter_flags(p) -> None:
+    """The drafter choice shared by chat and serve."""
+    drafters = p.add_mutually_exclusive_group()
+    drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
+    drafters.add_argument("--ngram", action="store_true", help="prompt-lookup drafting, no model")
+    drafters.add_argument(
+        "--mtp",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="the checkpoint's own MTP head (default: MODEL/mtp, as written by mlx-spec convert)",
+    )
+    drafters.add_argument(
+        "--assistant", metavar="DIR", help="Gemma 4 assistant checkpoint (Gemma 4 targets only)"
+    )
+    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="chat with a model, speculatively, reusing the prompt cache across turns",
+        description="A streaming conversation using the model's chat template (or a plain "
+        "User:/Assistant: transcript). Each turn prefills only the new tokens: the caches of "
+        "target and drafter carry over. Reads lines from standard input; /stats, /reset, "
+        "/help, /quit. Ctrl-C stops a reply, not the conversation.",
+    )
+    p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
+    _add_drafter_flags(p)
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per reply (default 512)")
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args) -> int:
+    from mlx_spec.chat import Chat, input_lines
+    from mlx_spec.session import Session
+
+    _blas.warn_if_slow()
+    model, tokenizer = mlx_spec.load(args.model)
+    session = Session(model, tokenizer, drafter=_drafter(args, model), num_draft=args.num_draft)
+    sampling = dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    if args.seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(args.seed)
+    chat = Chat(session, system=args.system, max_tokens=args.max_tokens, sampling=sampling)
+    chat.check_settings()
+    return chat.run(input_lines(sys.stdin))
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API (chat/completions, completions, models)",
+        description="An OpenAI-compatible HTTP server with speculative decoding: "
+        "/v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health. "
+        "Requests choose speculation with the extra field "
+        '"speculative": {"enabled": true, "drafter": "ngram", "num_draft": 4}; '
+        "usage.speculative reports acceptance and speed.",
+    )
+    p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
+    _add_drafter_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MLX_SPEC_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $MLX_SPEC_API_KEY, else none)",
+    )
+    p.add_argument("--model-id", help="the model name clients send (default: the directory name)")
+    p.add_argument(
+        "--max-tokens-limit", type=int, default=4096, help="largest max_tokens (default 4096)"
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="largest body (default 1 MiB)"
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=8, help="generations advanced together (default 8)"
+    )
+    p.add_argument(
+        "--max-queued", type=int, default=256, help="requests waiting at most (default 256)"
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from mlx_spec.server import ServerConfig, create_app, drafter_factories
+
+    import uvicorn
+
+    for name in ("max_tokens_limit", "max_request_bytes", "max_concurrent", "port"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    _blas.warn_if_slow()
+    model, tokenizer = mlx_spec.load(args.model)
+    mtp = None if args.mtp is None else (args.mtp or args.model)
+    drafters = drafter_factories(
+        model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant
+    )
+    default = next(
+        (name for name, flag in [("draft-model", args.draft_model), ("ngram", args.ngram),
+                                 ("mtp", mtp), ("gemma4-assistant", args.assistant)] if flag),
+        None,
+    )  # fmt: skip
+    config = ServerConfig(
+        model_id=args.model_id or os.path.basename(os.path.normpath(args.model)),
+        api_key=args.api_key,
+        max_tokens_limit=args.max_tokens_limit,
+        max_request_bytes=args.max_request_bytes,
+        max_concurrent=args.max_concurrent,
+        max_queued=args.max_queued,
+        default_drafter=default,
+        num_draft=args.num_draft,
+    )
+    app = create_app(model, tokenizer, config, drafters)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(
+            f"mlx-spec: warning: serving on {args.host} without --api-key: anyone who can "
+            "reach this address can use the model",
+            file=sys.stderr,
+        )
+    print(
+        f"mlx-spec: serving {config.model_id!r} at http://{args.host}:{args.port}/v1 "
+        f"(drafters: {', '.join(sorted(drafters))}; default: {default or 'none'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-spec",
@@ -435,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_distill(sub)
     _add_bench(sub)
+    _add_chat(sub)
+    _add_serve(sub)
     info = sub.add_parser("info", help="versions, device and the BLAS MLX uses")
     info.set_defaults(func=cmd_info)
     return parser

@@ -1,0 +1,184 @@
+"""`mlx-spec chat` as a real process: scripted on standard input and driven through a
+pseudo-terminal; later turns reuse the prompt cache and Ctrl-C stops a reply, not the chat."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+STATS = re.compile(
+    r"last reply: (\d+) tokens.*?prompt (\d+) tokens: (\d+) cached, (\d+) prefilled(.*)"
+)
+# A chat template over the test alphabet: "p " opens a user turn, "o " the assistant's, and an
+# assistant turn ends with the EOS token.
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}o {{ m['content'] }}</s>\n"
+    "{% else %}p {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}o {% endif %}"
+)
+
+
+def chat_command(model, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "mlx_spec.cli", "chat", "--model", str(model), *extra]
+
+
+def run_chat(model, lines: list[str], *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        chat_command(model, *extra),
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def stats_lines(text: str) -> list[tuple[int, int, int, int, str]]:
+    """(generated, prompt, cached, prefilled, rest) of every /stats line."""
+    return [
+        (int(g), int(p), int(c), int(f), rest)
+        for g, p, c, f, rest in STATS.findall(text.replace("\r", ""))
+    ]
+
+
+@pytest.fixture(scope="module")
+def templated(checkpoints, tmp_path_factory):
+    """The llama target with a chat template in its tokenizer config."""
+    path = shutil.copytree(checkpoints["llama"][0], tmp_path_factory.mktemp("chat") / "target")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft-model"])
+def test_scripted_turns_reuse_the_cache(checkpoints, loaded, drafter):
+    """Without a chat template (plain transcript, said once): the second turn prefills only its
+    new text (and the first reply's last token, still pending after speculative decoding)."""
+    target, draft = checkpoints["llama"]
+    extra = {"none": [], "ngram": ["--ngram"], "draft-model": ["--draft-model", str(draft)]}
+    proc = run_chat(target, ["abc", "/stats", "mad pop", "/stats", "/quit", "ignored"],
+                    "--max-tokens", "16", *extra[drafter])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("no chat template") == 1
+    (g1, p1, c1, f1, _), (g2, p2, c2, f2, rest) = stats_lines(proc.stdout)
+    tok = loaded["llama"][1]
+    assert (g1, c1, f1) == (16, 0, p1) and p1 == len(tok.encode("User: abc\nAssistant:"))
+    pending = 0 if drafter == "none" else 1
+    new = tok.encode("\nUser: mad pop\nAssistant:", add_special_tokens=False)
+    assert (c2, f2) == (p1 + 16 - pending, len(new) + pending)
+    assert p2 == c2 + f2 and "rebuilt" not in rest
+    if drafter != "none":
+        assert "acceptance" in proc.stdout
+
+
+def test_chat_template_and_commands(templated):
+    """With a chat template: replies end at EOS or max_tokens, the next turn extends the cache;
+    /reset forgets it; unknown commands are answered; end of input leaves with code 0."""
+    lines = ["abc", "mad", "/stats", "/bogus", "/reset", "abc", "/stats", "/help"]
+    proc = run_chat(templated, lines, "--ngram", "--max-tokens", "12", "--system", "hello")
+    assert proc.returncode == 0, proc.stderr
+    assert "no chat template" not in proc.stderr
+    (g2, p2, c2, f2, rest), (g3, p3, c3, f3, _) = stats_lines(proc.stdout)
+    assert c2 > 0 and f2 < p2 and "rebuilt" not in rest
+    assert c3 == 0 and f3 == p3  # after /reset
+    assert "unknown command /bogus" in proc.stdout and "/quit" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [["--top-p", "2"], ["--num-draft", "-1"], ["--max-tokens", "0"]])
+def test_bad_settings_are_one_line_errors(checkpoints, args):
+    proc = run_chat(checkpoints["llama"][0], ["abc"], "--ngram", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "mlx-spec: error:" in proc.stderr
+
+
+def test_sigint_stops_the_reply_not_the_chat(checkpoints):
+    """SIGINT during a long reply stops it after the chunk being shown; the chat goes on and
+    the next turn still reuses the cache (the stopped reply is in the history as shown)."""
+    target = checkpoints["llama"][0]
+    proc = subprocess.Popen(
+        chat_command(target, "--ngram", "--max-tokens", "400"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        proc.stdin.write(b"abc\n")
+        proc.stdin.flush()
+        first = os.read(proc.stdout.fileno(), 1)  # the reply has started
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(b"/stats\nmad\n/stats\n", timeout=180)
+    finally:
+        proc.kill()
+    text = (first + out).decode()
+    assert proc.returncode == 0, err.decode()
+    assert "[reply stopped]" in text
+    (g1, p1, _, _, _), (g2, p2, c2, f2, rest) = stats_lines(text)
+    assert 0 < g1 < 400  # stopped early
+    # the shown reply is reused (less a newline the stop matcher might still hold back)
+    assert g2 > 0 and c2 >= p1 + g1 - 2 and "rebuilt" not in rest
+
+
+def _read_until(fd: int, pattern: str, buffer: list[str], timeout: float = 120) -> str:
+    """Read the terminal until `pattern` appears in what was read since the last match."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while pattern not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {pattern!r} in terminal output: {''.join(buffer)!r}")
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                data = os.read(fd, 4096).decode(errors="replace")
+            except OSError:  # the child closed the terminal
+                data = ""
+            if not data:
+                raise AssertionError(f"terminal closed before {pattern!r}: {''.join(buffer)!r}")
+            seen += data
+            buffer.append(data)
+    return seen
+
+
+def test_ctrl_c_through_a_terminal(checkpoints):
+    """Through a pseudo-terminal (prompt, line editing): Ctrl-C typed during a reply stops it
+    and the prompt comes back; /stats shows the next turn reusing the cache; Ctrl-D leaves."""
+    target = checkpoints["llama"][0]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat, with the terminal as its controlling terminal
+        os.execv(sys.executable, chat_command(target, "--ngram", "--max-tokens", "400"))
+    out: list[str] = []
+    status = None
+    try:
+        _read_until(fd, ">>> ", out)
+        os.write(fd, b"abc\n")
+        _read_until(fd, "abc\r\n", out)  # the echo
+        select.select([fd], [], [], 120)
+        out.append(os.read(fd, 1).decode(errors="replace"))  # the reply has started
+        os.write(fd, b"\x03")  # Ctrl-C
+        _read_until(fd, "[reply stopped]", out)
+        _read_until(fd, ">>> ", out)
+        os.write(fd, b"mad\n")
+        _read_until(fd, ">>> ", out)
+        os.write(fd, b"/stats\n")
+        _read_until(fd, "prefilled", out)
+        _read_until(fd, ">>> ", out)
+        os.write(fd, b"\x04")  # Ctrl-D
+        _, status = os.waitpid(pid, 0)
+    finally:
+        if status is None:  # still ours and not reaped: stop it
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "".join(out)
+    ((_, p, cached, prefilled, rest),) = stats_lines("".join(out))
+    assert cached > 0 and prefilled < p and "rebuilt" not in rest
