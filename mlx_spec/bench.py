@@ -99,7 +99,7 @@ from pathlib import Path
 
 import mlx_spec
 from mlx_spec import _blas, embedded
-from mlx_spec.api import encode_prompt
+from mlx_spec.api import SOURCE_ATTR, encode_prompt
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.drafters.mtp import MTP_DIR
@@ -872,12 +872,13 @@ def _load(config: BenchConfig) -> _Loaded:
         header["draft_model"] = f"{draft_path} ({_param_count(draft.model) / 1e6:.1f}M parameters)"
     mtp = None
     if _wants(config, MTP):
+        local = Path(getattr(model, SOURCE_ATTR, model_path))  # a hub id's download
         mtp_path = config.mtp
-        if mtp_path is None and (Path(model_path) / MTP_DIR / "config.json").is_file():
+        if mtp_path is None and (local / MTP_DIR / "config.json").is_file():
             mtp_path = ""
         if mtp_path is not None:
-            mtp = mlx_spec.load_mtp_drafter(mtp_path or model_path, model)
-            header["mtp"] = str(Path(mtp_path) if mtp_path else Path(model_path) / MTP_DIR)
+            mtp = mlx_spec.load_mtp_drafter(mtp_path or str(local), model)
+            header["mtp"] = str(Path(mtp_path) if mtp_path else local / MTP_DIR)
         elif config.modes is not None:
             raise ValueError(f"mode mtp: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR")
     return _Loaded(model, tokenizer, draft, mtp, header, notes)

@@ -134,24 +134,10 @@ def test_cli_quick(checkpoints, prompts_file, tmp_path):
     """`mlx-spec bench --quick` on tiny models prints the table and writes the JSON."""
     target, draft = map(str, checkpoints["llama"])
     out = tmp_path / "bench.json"
+    args = ["bench", "--model", target, "--draft-model", draft, "--prompts", str(prompts_file)]
+    args += ["--quick", "--temperatures", "0", "--max-tokens", "24", "--json", str(out)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlx_spec.cli",
-            "bench",
-            "--model",
-            target,
-            "--draft-model",
-            draft,
-            "--prompts",
-            str(prompts_file),
-            "--quick",
-            "--temperatures",
-            "0",
-            "--json",
-            str(out),
-        ],  # fmt: skip
+        [sys.executable, "-m", "mlx_spec.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -211,3 +197,29 @@ def test_draft_modes_need_a_draft_model(checkpoints, prompts_file, capsys):
         capsys, "bench", "--model", target, "--prompts", str(prompts_file), "--modes", "mlx-lm"
     )
     assert "--draft-model" in line
+
+
+def test_mtp_drafter_found_beside_the_target(tmp_path, prompts_file):
+    """A converted checkpoint with an MTP head gets the mtp mode without flags; its drafter is
+    timed for the cost model and greedy output equals plain decoding."""
+    from convert import convert_checkpoint
+
+    import hfmodels as hfm
+
+    source, _ = hfm.write_mimo_checkpoint(tmp_path / "mimo", seed=6)
+    hfm.add_mtp(source, family="mimo", seed=50)
+    target = convert_checkpoint(str(source), str(tmp_path / "mimo-mlx"), dtype="float32").path
+    config = bench.BenchConfig(
+        model=str(target),
+        prompts_file=str(prompts_file),
+        max_tokens=MAX_TOKENS,
+        num_draft=(2,),
+        temperatures=(0.0,),
+        repeats=1,
+        micro_repeats=2,
+    )
+    report = bench.run_bench(config)
+    assert [r.mode for r in report.results] == ["plain", "ngram", "mtp"]
+    mtp = report.result("mtp", 2, 0.0)
+    assert mtp.matches_plain and mtp.draft_cost > 0 and mtp.predicted_speedup > 0
+    assert report.header["mtp"].endswith("mtp")
