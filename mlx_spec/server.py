@@ -656,7 +656,10 @@ class _Server:
 
     async def _watch(self, request: Request, job: Job) -> None:
         """Cancel the job as soon as its client disconnects."""
-        while (await request.receive())["type"] != "http.disconnect":
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # the connection failed in some other way: the client is gone too
             pass
         self.engine.cancel(job)
 

@@ -60,6 +60,20 @@ def templated(checkpoints, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def talkative(checkpoints, tmp_path_factory):
+    """The llama target without an EOS token and with a 4096-token context: its replies run to
+    --max-tokens (long enough to be interrupted)."""
+    path = shutil.copytree(checkpoints["llama"][0], tmp_path_factory.mktemp("chat") / "long")
+    for name, drop in (("config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token")):
+        config = json.loads((path / name).read_text())
+        config.pop(drop)
+        if name == "config.json":
+            config["max_position_embeddings"] = 4096
+        (path / name).write_text(json.dumps(config))
+    return path
+
+
 @pytest.mark.parametrize("drafter", ["none", "ngram", "draft-model"])
 def test_scripted_turns_reuse_the_cache(checkpoints, loaded, drafter):
     """Without a chat template (plain transcript, said once): the second turn prefills only its
@@ -101,12 +115,11 @@ def test_bad_settings_are_one_line_errors(checkpoints, args):
     assert "mlx-spec: error:" in proc.stderr
 
 
-def test_sigint_stops_the_reply_not_the_chat(checkpoints):
+def test_sigint_stops_the_reply_not_the_chat(talkative):
     """SIGINT during a long reply stops it after the chunk being shown; the chat goes on and
     the next turn still reuses the cache (the stopped reply is in the history as shown)."""
-    target = checkpoints["llama"][0]
     proc = subprocess.Popen(
-        chat_command(target, "--ngram", "--max-tokens", "400"),
+        chat_command(talkative, "--ngram", "--max-tokens", "1500"),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -123,7 +136,7 @@ def test_sigint_stops_the_reply_not_the_chat(checkpoints):
     assert proc.returncode == 0, err.decode()
     assert "[reply stopped]" in text
     (g1, p1, _, _, _), (g2, p2, c2, f2, rest) = stats_lines(text)
-    assert 0 < g1 < 400  # stopped early
+    assert 0 < g1 < 1500  # stopped early
     # the shown reply is reused (less a newline the stop matcher might still hold back)
     assert g2 > 0 and c2 >= p1 + g1 - 2 and "rebuilt" not in rest
 
@@ -149,26 +162,25 @@ def _read_until(fd: int, pattern: str, buffer: list[str], timeout: float = 120) 
     return seen
 
 
-def test_ctrl_c_through_a_terminal(checkpoints):
+def test_ctrl_c_through_a_terminal(talkative):
     """Through a pseudo-terminal (prompt, line editing): Ctrl-C typed during a reply stops it
-    and the prompt comes back; /stats shows the next turn reusing the cache; Ctrl-D leaves."""
-    target = checkpoints["llama"][0]
+    and the prompt comes back; the next reply, stopped too, reused the cache (/stats); Ctrl-D
+    leaves."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, with the terminal as its controlling terminal
-        os.execv(sys.executable, chat_command(target, "--ngram", "--max-tokens", "400"))
+        os.execv(sys.executable, chat_command(talkative, "--ngram", "--max-tokens", "1500"))
     out: list[str] = []
     status = None
     try:
         _read_until(fd, ">>> ", out)
-        os.write(fd, b"abc\n")
-        _read_until(fd, "abc\r\n", out)  # the echo
-        select.select([fd], [], [], 120)
-        out.append(os.read(fd, 1).decode(errors="replace"))  # the reply has started
-        os.write(fd, b"\x03")  # Ctrl-C
-        _read_until(fd, "[reply stopped]", out)
-        _read_until(fd, ">>> ", out)
-        os.write(fd, b"mad\n")
-        _read_until(fd, ">>> ", out)
+        for line in (b"abc", b"mad"):
+            os.write(fd, line + b"\n")
+            _read_until(fd, line.decode() + "\r\n", out)  # the echo
+            select.select([fd], [], [], 120)
+            out.append(os.read(fd, 1).decode(errors="replace"))  # the reply has started
+            os.write(fd, b"\x03")  # Ctrl-C
+            _read_until(fd, "[reply stopped]", out)
+            _read_until(fd, ">>> ", out)
         os.write(fd, b"/stats\n")
         _read_until(fd, "prefilled", out)
         _read_until(fd, ">>> ", out)

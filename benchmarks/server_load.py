@@ -1,0 +1,252 @@
+"""Load test of `mlx-spec serve`: N concurrent streaming clients against a live server.
+
+The server (FastAPI app from `mlx_spec.server.create_app`, uvicorn on a loopback port) runs in
+this process, in a background thread; the clients are `httpx` async streams of
+`POST /v1/completions` with `stream_options.include_usage`, so the measurement covers HTTP,
+SSE, the engine's round-robin scheduling and the model. For every speculation mode and every
+N, N clients each send `--requests` requests back to back (different prompts, greedy,
+`--max-tokens` tokens each; EOS is disabled so every request generates exactly that many), and
+the script reports:
+
+- throughput: completion tokens of all requests / wall time of the whole run;
+- per-request latency (request sent -> last event) p50 / p95;
+- time to first token (request sent -> first text event) p50 / p95;
+- errors (any non-200 answer or error event; there should be none).
+
+With one engine thread, concurrent streams share the model in turn (no batching): total
+throughput stays near that of one stream while each stream's latency grows with N. A drafter
+changes both by the factor it gets alone, which is above 1 only when it agrees with the target
+often enough to pay for its own cost; the default random pair (acceptance near 0.05) does not,
+so its rows measure the overhead of speculation, not a speedup.
+
+By default it builds two random llama checkpoints with the test suite's helpers
+(tests/tinymodels.py; character tokenizer, hidden 256, 4 layers, a draft model that is a
+perturbed copy of the target) in a temporary directory; `--model`/`--draft-model` take real
+ones instead.
+
+Examples:
+    python benchmarks/server_load.py                       # N = 1, 4, 8; each mode
+    python benchmarks/server_load.py --quick
+    python benchmarks/server_load.py --model ./target --draft-model ./draft --json load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
+from mlx_spec import _blas
+from mlx_spec.server import ServerConfig, create_app, drafter_factories
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import uvicorn
+
+_TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+PROMPTS = ["abcab cab", "mad pop", "a nice deal", "look back", "fog on a hill", "imp"]
+SHAPE = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "intermediate_size": 768,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+}
+
+
+def build_models(root: Path) -> tuple[Path, Path]:
+    """A random llama target and a perturbed copy as its draft model (tests' helpers)."""
+    sys.path.insert(0, str(_TESTS_DIR))
+    import tinymodels as tm
+
+    config = tm.llama_config(tm.tokenizer_size(), **SHAPE)
+    weights = tm.random_weights(config, seed=1)
+    target = tm.write_checkpoint(root / "target", config, weights)
+    draft = tm.write_checkpoint(root / "draft", config, tm.perturb(weights, 0.2, seed=2))
+    return target, draft
+
+
+class Server:
+    """uvicorn serving `app` on a free loopback port, in a background thread."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+    """Send one streaming completion; returns its timings, token count and error (if any)."""
+    tic = time.perf_counter()
+    first, tokens, error, acceptance = None, 0, None, 0.0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return {"error": f"{response.status_code}: {response.text[:200]}"}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+            elif event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+                acceptance = event["usage"]["speculative"]["acceptance_rate"]
+            elif first is None and event["choices"] and event["choices"][0]["text"]:
+                first = time.perf_counter() - tic
+    latency = time.perf_counter() - tic
+    return {
+        "latency": latency, "ttft": first, "tokens": tokens, "error": error,
+        "acceptance": acceptance,
+    }  # fmt: skip
+
+
+async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dict:
+    """`concurrency` clients, each sending `requests` requests back to back."""
+
+    async def client_loop(index: int) -> list[dict]:
+        out = []
+        for r in range(requests):
+            prompt = PROMPTS[(index * requests + r) % len(PROMPTS)]
+            out.append(await one_request(client, {**body, "prompt": prompt}))
+        return out
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        tic = time.perf_counter()
+        results = await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
+        wall = time.perf_counter() - tic
+    done = [r for rs in results for r in rs if not r.get("error")]
+    errors = sum(1 for rs in results for r in rs if r.get("error"))
+    latencies = [r["latency"] for r in done]
+    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in done)
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    return {
+        "concurrency": concurrency,
+        "requests": concurrency * requests,
+        "errors": errors,
+        "completion_tokens": tokens,
+        "wall_seconds": wall,
+        "throughput_tokens_per_sec": tokens / wall if wall else 0.0,
+        "latency_p50_s": pct(latencies, 50),
+        "latency_p95_s": pct(latencies, 95),
+        "ttft_p50_ms": pct(ttfts, 50) * 1e3,
+        "ttft_p95_ms": pct(ttfts, 95) * 1e3,
+        "acceptance_rate": statistics.mean(r["acceptance"] for r in done) if done else 0.0,
+        "per_stream_tokens_per_sec": statistics.median(
+            r["tokens"] / r["latency"] for r in done
+        ) if done else 0.0,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="target MLX directory (default: a random llama built here)")
+    p.add_argument("--draft-model", help="draft model for the 'draft-model' mode")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["none", "ngram", "draft-model"],
+        help="speculation modes: none, ngram, draft-model (default: all three)",
+    )
+    p.add_argument("--max-concurrent", type=int, help="engine slots (default: the largest N)")
+    p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests, args.max_tokens = [1, 4], 1, 32
+
+    built = args.model is None
+    with tempfile.TemporaryDirectory() as tmp:
+        if built:
+            target_dir, draft_dir = build_models(Path(tmp))
+            args.model, args.draft_model = str(target_dir), args.draft_model or str(draft_dir)
+        model, tokenizer = mlx_spec.load(args.model)
+        tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
+        drafters = drafter_factories(model, tokenizer, draft_model=args.draft_model)
+        config = ServerConfig(
+            model_id="bench",
+            max_tokens_limit=max(args.max_tokens, 16),
+            max_concurrent=args.max_concurrent or max(args.concurrency),
+            num_draft=args.num_draft,
+        )
+        app = create_app(model, tokenizer, config, drafters)
+        rows = []
+        with Server(app) as url:
+            for mode in args.modes:
+                speculative = (
+                    {"enabled": False} if mode == "none" else {"drafter": mode, "enabled": True}
+                )
+                body = {
+                    "model": "bench", "max_tokens": args.max_tokens, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True},
+                    "speculative": speculative,
+                }  # fmt: skip
+                asyncio.run(run_load(url, 1, 1, {**body, "max_tokens": 8}))  # warm-up
+                for n in args.concurrency:
+                    row = {"mode": mode, **asyncio.run(run_load(url, n, args.requests, body))}
+                    rows.append(row)
+                    print(_format(row), flush=True)
+
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "device": str(mx.default_device()),
+        "blas": _blas.describe(),
+        "mlx_spec": mlx_spec.__version__,
+        "model": f"random llama {json.dumps(SHAPE)}" if built else args.model,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests,
+        "max_concurrent": config.max_concurrent,
+        "results": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+def _format(row: dict) -> str:
+    return (
+        f"{row['mode']:>12} N={row['concurrency']:<2} {row['requests']:>3} requests "
+        f"{row['completion_tokens']:>5} tokens  throughput {row['throughput_tokens_per_sec']:7.1f}"
+        f" tok/s  per stream {row['per_stream_tokens_per_sec']:6.1f} tok/s  latency p50 "
+        f"{row['latency_p50_s']:.2f}s p95 {row['latency_p95_s']:.2f}s  TTFT p50 "
+        f"{row['ttft_p50_ms']:.0f}ms p95 {row['ttft_p95_ms']:.0f}ms  acceptance "
+        f"{row['acceptance_rate']:.2f}  errors {row['errors']}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
