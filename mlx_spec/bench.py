@@ -176,8 +176,11 @@ class BenchConfig:
         for name in ("max_tokens", "repeats", "prompt_tokens", "micro_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
+        if self.max_tokens < 2 * (max(self.num_draft) + 1):
+            raise ValueError(
+                f"max_tokens must be >= 2 (k + 1) = {2 * (max(self.num_draft) + 1)} for the "
+                f"largest k, so that rounds follow the first; got {self.max_tokens}"
+            )
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         unknown = [m for m in self.modes or () if m not in MODES]
@@ -864,7 +867,8 @@ def _load(config: BenchConfig) -> _Loaded:
     if needs_draft and draft_path is None:
         raise ValueError("modes draft-model and mlx-lm need a draft model (--draft-model PATH)")
     model, tokenizer = mlx_spec.load(model_path)
-    header = {"target": f"{model_path} ({_param_count(model) / 1e6:.1f}M parameters)"}
+    what = " (the embedded demo pair)" if config.model is None else ""
+    header = {"target": f"{model_path}{what} ({_param_count(model) / 1e6:.1f}M parameters)"}
     notes = []
     draft = None
     if draft_path is not None and (_wants(config, DRAFT_MODEL) or _wants(config, PEER)):
@@ -941,6 +945,16 @@ def _peer_ok(config: BenchConfig, loaded: _Loaded) -> bool:
 
 
 def _generate(loaded: _Loaded, s: _Setting, ids, max_tokens, seed, drafter=None) -> Run:
+    run = _generate_once(loaded, s, ids, max_tokens, seed, drafter)
+    if len(run.tokens) != max_tokens:
+        raise ValueError(
+            f"{s.mode} k={s.num_draft} generated {len(run.tokens)} tokens instead of "
+            f"{max_tokens}: every configuration must generate the same number"
+        )
+    return run
+
+
+def _generate_once(loaded: _Loaded, s: _Setting, ids, max_tokens, seed, drafter) -> Run:
     if s.mode == PEER:
         return run_mlx_lm(
             loaded.model,
@@ -1151,10 +1165,10 @@ def _relate(results: list[BenchResult], runs: dict, settings: list[_Setting], st
         t = r.temperature
         if t not in unit:
             continue
-        r.speedup = r.tokens_per_sec * unit[t]
         if r.mode == PLAIN:
-            r.predicted_speedup = r.realized_over_predicted = 1.0
+            r.speedup = r.predicted_speedup = r.realized_over_predicted = 1.0
             continue
+        r.speedup = r.tokens_per_sec * unit[t]
         r.verify_cost = verify[t].get(r.num_draft)
         draft_ms = r.draft_ms
         if r.mode == PEER:
