@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_spec.embedded import available
-
 import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
@@ -41,7 +39,6 @@ def kernel_env(tmp_path_factory):
     }
 
 
-@pytest.mark.skipif(not available(), reason="the demo pair is not built yet")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, kernel_env, tmp_path, monkeypatch):
     """The notebook executes without an error (nbclient raises on the first failing cell)."""
