@@ -66,6 +66,19 @@ def export_draft(work: Path, dest: Path) -> None:
     _tokenizer(work / "target-hf", dest)
 
 
+def training_record(work: Path) -> dict:
+    """How the pair was trained: the target's loss log and both distillation reports."""
+    import torch
+
+    state = torch.load(work / "target-train.pt", weights_only=False)["state"]
+    record = {"target": {"framework": "pytorch", "steps": state["step"], "log": state["log"]}}
+    for name in ("draft", "mtp"):
+        report = json.loads((work / f"{name}-mlx" / "distill.json").read_text())
+        keys = ("kind", "steps", "config", "seconds", "before", "after")
+        record[name] = {k: report[k] for k in keys}
+    return record
+
+
 def export(work: Path, out: Path) -> None:
     for name, writer in (("target", export_target), ("draft", export_draft)):
         tmp = out / f".{name}.partial"
@@ -75,3 +88,4 @@ def export(work: Path, out: Path) -> None:
         tmp.rename(out / name)
         size = sum(p.stat().st_size for p in (out / name).iterdir()) / 1e6
         print(f"wrote {out / name} ({size:.1f} MB)")
+    (out / "training.json").write_text(json.dumps(training_record(work), indent=1))
