@@ -12,7 +12,11 @@ Stages (each resumable; run them in order, or `all`):
 A fixed list of files is held out for evaluation and never trained on. Requires torch
 (`pip install torch==2.13.0`) and transformers for the target stage only.
 
-    python scripts/train_embedded_pair.py all --minutes 60
+    python scripts/train_embedded_pair.py all --total-steps 880 --distill-steps 400
+
+(the recipe of the shipped pair: 880 target steps of 16 x 256 tokens, about 1.1 epochs, then
+400 distillation steps for each drafter; `mlx_spec/demo_pair/training.json` holds its logs),
+or `--minutes N` instead of `--total-steps` to fit a time budget.
 
 Work files (checkpoints, converted models) go to $MLX_SPEC_TRAIN_DIR, else build/embedded;
 the target stage resumes from its checkpoint there (`--total-steps` extends a finished run).
