@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency, args.requests, args.max_tokens = [1, 4], 1, 32
 
     built = args.model is None
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         if built:
             target_dir, draft_dir = build_models(Path(tmp))
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "device": str(mx.default_device()),
         "blas": _blas.describe(),
         "mlx_spec": mlx_spec.__version__,
