@@ -490,9 +490,9 @@ def drafter_factories(
         head = load_mtp_drafter(mtp, model)
         out["mtp"] = lambda: MTPDrafter(head.module, model)
     if assistant is not None:
-        helper = load_gemma4_assistant(assistant, model)
-        helper.check_compatible(model, tokenizer, vocab)
-        out["gemma4-assistant"] = lambda: Gemma4AssistantDrafter(helper.assistant, model)
+        loaded = load_gemma4_assistant(assistant, model)
+        loaded.check_compatible(model, tokenizer, vocab)
+        out["gemma4-assistant"] = lambda: Gemma4AssistantDrafter(loaded.assistant, model)
     return out
 
 
