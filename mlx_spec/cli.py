@@ -36,24 +36,8 @@ def _add_generate(sub) -> None:
         "embedded demo pair, with its MTP head drafting and --compare on)",
     )
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
-    drafters = p.add_mutually_exclusive_group()
-    drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
-    drafters.add_argument("--ngram", action="store_true", help="prompt-lookup drafting, no model")
-    drafters.add_argument(
-        "--mtp",
-        nargs="?",
-        const="",
-        metavar="DIR",
-        help="the checkpoint's own MTP head (default: MODEL/mtp, as written by mlx-spec convert)",
-    )
-    drafters.add_argument(
-        "--assistant", metavar="DIR", help="Gemma 4 assistant checkpoint (Gemma 4 targets only)"
-    )
-    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+    _add_drafter_flags(p)
+    _add_sampling_flags(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -427,7 +411,7 @@ def cmd_bench(args) -> int:
 
 
 def _add_drafter_flags(p) -> None:
-    """The drafter choice shared by chat and serve."""
+    """The drafter choice shared by generate, chat and serve."""
     drafters = p.add_mutually_exclusive_group()
     drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
     drafters.add_argument("--ngram", action="store_true", help="prompt-lookup drafting, no model")
@@ -444,6 +428,14 @@ def _add_drafter_flags(p) -> None:
     p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
 
 
+def _add_sampling_flags(p) -> None:
+    """Sampling settings shared by generate and chat."""
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+
+
 def _add_chat(sub) -> None:
     p = sub.add_parser(
         "chat",
@@ -455,10 +447,7 @@ def _add_chat(sub) -> None:
     )
     p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
     _add_drafter_flags(p)
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0 = off)")
+    _add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per reply (default 512)")
