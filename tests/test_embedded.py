@@ -79,4 +79,4 @@ def test_cli_without_model_flags(pair):
     )
     assert proc.returncode == 0, proc.stderr
     stats = json.loads(proc.stdout)["stats"]
-    assert stats["drafter"] == "mtp" and stats["speedup"] > 0 and "acceptance_rate" in stats
+    assert stats["drafter"] == "ngram" and stats["speedup"] > 0 and "acceptance_rate" in stats
