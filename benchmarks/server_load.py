@@ -19,10 +19,11 @@ changes both by the factor it gets alone, which is above 1 only when it agrees w
 often enough to pay for its own cost; the default random pair (acceptance near 0.05) does not,
 so its rows measure the overhead of speculation, not a speedup.
 
-By default it builds two random llama checkpoints with the test suite's helpers
-(tests/tinymodels.py; character tokenizer, hidden 256, 4 layers, a draft model that is a
-perturbed copy of the target) in a temporary directory; `--model`/`--draft-model` take real
-ones instead.
+By default it serves the embedded demo pair (its target and draft model; prompts are the
+openings of the held-out standard-library files). `--random` builds two random llama
+checkpoints with the test suite's helpers instead (tests/tinymodels.py; character tokenizer,
+hidden 256, 4 layers, a draft model that is a perturbed copy of the target);
+`--model`/`--draft-model` take any others.
 
 Examples:
     python benchmarks/server_load.py                       # N = 1, 4, 8; each mode
@@ -169,7 +170,8 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="target MLX directory (default: a random llama built here)")
+    p.add_argument("--model", help="target MLX directory (default: the embedded demo pair)")
+    p.add_argument("--random", action="store_true", help="a random llama pair built here instead")
     p.add_argument("--draft-model", help="draft model for the 'draft-model' mode")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
@@ -188,7 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.concurrency, args.requests, args.max_tokens = [1, 4], 1, 32
 
-    built = args.model is None
+    built = args.model is None and args.random
+    if args.model is None and not built:
+        from mlx_spec.embedded import converted_pair, stdlib_files
+
+        target_dir, draft_dir = converted_pair()
+        args.model, args.draft_model = str(target_dir), args.draft_model or str(draft_dir)
+        PROMPTS[:] = [p.read_text(errors="replace")[:200] for p in stdlib_files()[1]]
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         if built:
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
         "blas": _blas.describe(),
         "mlx_spec": mlx_spec.__version__,
-        "model": f"random llama {json.dumps(SHAPE)}" if built else args.model,
+        "model": f"random llama {json.dumps(SHAPE)}" if built else Path(args.model).name,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,
         "max_concurrent": config.max_concurrent,
