@@ -843,6 +843,12 @@ class _Loaded:
     notes: list[str]
 
 
+def _shown(path) -> str:
+    """A path for reports, with the home directory written as ~."""
+    text, home = str(path), str(Path.home())
+    return "~" + text[len(home) :] if text.startswith(home + os.sep) else text
+
+
 def _param_count(model) -> int:
     return sum(p.size for _, p in tree_flatten(model.parameters()))
 
@@ -868,12 +874,13 @@ def _load(config: BenchConfig) -> _Loaded:
         raise ValueError("modes draft-model and mlx-lm need a draft model (--draft-model PATH)")
     model, tokenizer = mlx_spec.load(model_path)
     what = " (the embedded demo pair)" if config.model is None else ""
-    header = {"target": f"{model_path}{what} ({_param_count(model) / 1e6:.1f}M parameters)"}
+    header = {"target": f"{_shown(model_path)}{what} ({_param_count(model) / 1e6:.1f}M parameters)"}
     notes = []
     draft = None
     if draft_path is not None and (_wants(config, DRAFT_MODEL) or _wants(config, PEER)):
         draft = mlx_spec.load_drafter(draft_path)
-        header["draft_model"] = f"{draft_path} ({_param_count(draft.model) / 1e6:.1f}M parameters)"
+        size = _param_count(draft.model) / 1e6
+        header["draft_model"] = f"{_shown(draft_path)} ({size:.1f}M parameters)"
     mtp = None
     if _wants(config, MTP):
         local = Path(getattr(model, SOURCE_ATTR, model_path))  # a hub id's download
@@ -882,7 +889,7 @@ def _load(config: BenchConfig) -> _Loaded:
             mtp_path = ""
         if mtp_path is not None:
             mtp = mlx_spec.load_mtp_drafter(mtp_path or str(local), model)
-            header["mtp"] = str(Path(mtp_path) if mtp_path else local / MTP_DIR)
+            header["mtp"] = _shown(Path(mtp_path) if mtp_path else local / MTP_DIR)
         elif config.modes is not None:
             raise ValueError(f"mode mtp: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR")
     return _Loaded(model, tokenizer, draft, mtp, header, notes)
