@@ -141,25 +141,37 @@ def test_sigint_stops_the_reply_not_the_chat(talkative):
     assert g2 > 0 and c2 >= p1 + g1 - 2 and "rebuilt" not in rest
 
 
-def _read_until(fd: int, pattern: str, buffer: list[str], timeout: float = 120) -> str:
-    """Read the terminal until `pattern` appears in what was read since the last match."""
-    deadline = time.monotonic() + timeout
-    seen = ""
-    while pattern not in seen:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"no {pattern!r} in terminal output: {''.join(buffer)!r}")
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                data = os.read(fd, 4096).decode(errors="replace")
-            except OSError:  # the child closed the terminal
-                data = ""
-            if not data:
-                raise AssertionError(f"terminal closed before {pattern!r}: {''.join(buffer)!r}")
-            seen += data
-            buffer.append(data)
-    return seen
+class Terminal:
+    """What the child wrote to the pseudo-terminal, read up to successive patterns (text read
+    past a match stays for the next one)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.text, self.pos = fd, "", 0
+
+    def read_until(self, pattern: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while (found := self.text.find(pattern, self.pos)) < 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {pattern!r} in terminal output: {self.text!r}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.fd, 4096).decode(errors="replace")
+                except OSError:  # the child closed the terminal
+                    data = ""
+                if not data:
+                    raise AssertionError(f"terminal closed before {pattern!r}: {self.text!r}")
+                self.text += data
+        self.pos = found + len(pattern)
+
+    def read_some(self, timeout: float = 120) -> None:
+        """Wait until something beyond the last match has been written."""
+        deadline = time.monotonic() + timeout
+        while len(self.text) <= self.pos and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.fd], [], [], deadline - time.monotonic())
+            if ready:
+                self.text += os.read(self.fd, 4096).decode(errors="replace")
 
 
 def test_ctrl_c_through_a_terminal(talkative):
@@ -169,21 +181,20 @@ def test_ctrl_c_through_a_terminal(talkative):
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, with the terminal as its controlling terminal
         os.execv(sys.executable, chat_command(talkative, "--ngram", "--max-tokens", "1500"))
-    out: list[str] = []
+    term = Terminal(fd)
     status = None
     try:
-        _read_until(fd, ">>> ", out)
+        term.read_until(">>> ")
         for line in (b"abc", b"mad"):
             os.write(fd, line + b"\n")
-            _read_until(fd, line.decode() + "\r\n", out)  # the echo
-            select.select([fd], [], [], 120)
-            out.append(os.read(fd, 1).decode(errors="replace"))  # the reply has started
+            term.read_until(line.decode() + "\r\n")  # the echo
+            term.read_some()  # the reply has started
             os.write(fd, b"\x03")  # Ctrl-C
-            _read_until(fd, "[reply stopped]", out)
-            _read_until(fd, ">>> ", out)
+            term.read_until("[reply stopped]")
+            term.read_until(">>> ")
         os.write(fd, b"/stats\n")
-        _read_until(fd, "prefilled", out)
-        _read_until(fd, ">>> ", out)
+        term.read_until("prefilled")
+        term.read_until(">>> ")
         os.write(fd, b"\x04")  # Ctrl-D
         _, status = os.waitpid(pid, 0)
     finally:
@@ -191,6 +202,6 @@ def test_ctrl_c_through_a_terminal(talkative):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "".join(out)
-    ((_, p, cached, prefilled, rest),) = stats_lines("".join(out))
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, term.text
+    ((_, p, cached, prefilled, rest),) = stats_lines(term.text)
     assert cached > 0 and prefilled < p and "rebuilt" not in rest
