@@ -34,7 +34,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import sysconfig
@@ -44,10 +43,10 @@ from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
 from mlx_spec import _blas
+from mlx_spec.bench import machine_info, model_dtype, param_count
 
 import mlx.core as mx
 import mlx_lm
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
 _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
@@ -125,15 +124,6 @@ def write_random_model(path: Path, seed: int) -> dict:
     weights = tm.random_weights(config, seed=seed)
     tm.write_checkpoint(path, config, weights, tokenizer)
     return config
-
-
-def param_count(model) -> int:
-    return sum(p.size for _, p in tree_flatten(model.parameters()))
-
-
-def model_dtype(model) -> str:
-    dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
-    return ", ".join(d.replace("mlx.core.", "") for d in dtypes)
 
 
 def _settle() -> None:
@@ -336,18 +326,12 @@ def main(argv=None) -> int:
         "" if model_vocab in (None, tok_vocab) else " (padded: mlx-spec cuts logits)"
     )
     header = {
-        "device": str(mx.default_device()),
-        "blas": _blas.describe(),
+        **machine_info(),
         "dtype": model_dtype(model),
         "parameters": param_count(model),
         "model": model_note,
         "vocab": vocab_note,
         "detokenizer": type(tokenizer.detokenizer).__name__,
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "mlx_spec": mlx_spec.__version__,
-        "python": platform.python_version(),
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
         "max_tokens": args.max_tokens,
         "runs": args.runs,
         "warmup": args.warmup,

@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -47,11 +46,10 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import _blas
+from mlx_spec.bench import machine_info
 from mlx_spec.server import ServerConfig, create_app, drafter_factories
 
 import httpx
-import mlx.core as mx
 import numpy as np
 import uvicorn
 
@@ -231,11 +229,8 @@ def main(argv: list[str] | None = None) -> int:
 
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        **machine_info(),
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "device": str(mx.default_device()),
-        "blas": _blas.describe(),
-        "mlx_spec": mlx_spec.__version__,
         "model": f"random llama {json.dumps(SHAPE)}" if built else Path(args.model).name,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,

@@ -849,11 +849,26 @@ def _shown(path) -> str:
     return "~" + text[len(home) :] if text.startswith(home + os.sep) else text
 
 
-def _param_count(model) -> int:
+def machine_info() -> dict:
+    """The machine and software versions, for benchmark headers."""
+    import mlx_lm
+
+    return {
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "device": str(mx.default_device()),
+        "blas": _blas.describe(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "mlx_spec": mlx_spec.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def param_count(model) -> int:
     return sum(p.size for _, p in tree_flatten(model.parameters()))
 
 
-def _dtype(model) -> str:
+def model_dtype(model) -> str:
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     return ", ".join(d.replace("mlx.core.", "") for d in dtypes)
 
@@ -874,12 +889,12 @@ def _load(config: BenchConfig) -> _Loaded:
         raise ValueError("modes draft-model and mlx-lm need a draft model (--draft-model PATH)")
     model, tokenizer = mlx_spec.load(model_path)
     what = " (the embedded demo pair)" if config.model is None else ""
-    header = {"target": f"{_shown(model_path)}{what} ({_param_count(model) / 1e6:.1f}M parameters)"}
+    header = {"target": f"{_shown(model_path)}{what} ({param_count(model) / 1e6:.1f}M parameters)"}
     notes = []
     draft = None
     if draft_path is not None and (_wants(config, DRAFT_MODEL) or _wants(config, PEER)):
         draft = mlx_spec.load_drafter(draft_path)
-        size = _param_count(draft.model) / 1e6
+        size = param_count(draft.model) / 1e6
         header["draft_model"] = f"{_shown(draft_path)} ({size:.1f}M parameters)"
     mtp = None
     if _wants(config, MTP):
@@ -986,8 +1001,6 @@ def _generate_once(loaded: _Loaded, s: _Setting, ids, max_tokens, seed, drafter)
 
 
 def _header(config: BenchConfig, loaded: _Loaded, prompts: list[Prompt]) -> dict:
-    import mlx_lm
-
     lengths = [len(p.ids) for p in prompts]
     source = (
         f"{len(prompts)} held-out standard-library files, first {config.prompt_tokens} tokens"
@@ -995,14 +1008,8 @@ def _header(config: BenchConfig, loaded: _Loaded, prompts: list[Prompt]) -> dict
         else f"{len(prompts)} prompts from {config.prompts_file}"
     )
     return {
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
-        "device": str(mx.default_device()),
-        "blas": _blas.describe(),
-        "dtype": _dtype(loaded.model),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "mlx_spec": mlx_spec.__version__,
-        "python": platform.python_version(),
+        **machine_info(),
+        "dtype": model_dtype(loaded.model),
         **loaded.header,
         "prompts": f"{source} (mean {statistics.mean(lengths):.0f} tokens)",
         "prompt_labels": [p.label for p in prompts],

@@ -128,8 +128,8 @@ def speculative_rounds(
         hidden = target.last_hidden if drafter.needs_hidden else None  # before any replay
         mx.eval(num_accepted, next_token, draft.tokens)
         n = num_accepted.item()
-        rnd = Round(draft.tokens.tolist()[:n] + [next_token.item()], k, n, 0.0)
-        rnd.seconds = time.perf_counter() - tic
+        tokens = draft.tokens.tolist()[:n] + [next_token.item()]
+        rnd = Round(tokens, k, n, time.perf_counter() - tic)
         try:
             yield rnd
         finally:
