@@ -14,7 +14,9 @@ from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
+from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.policy import AdaptiveDraftLength, DraftPolicy, FixedDraftLength
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -119,9 +121,17 @@ def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter
     return DraftModelDrafter(model, tokenizer)
 
 
-def _resolve_drafter(drafter: Drafter | str | None, model: nn.Module) -> Drafter | None:
+DrafterSpec = Drafter | str | Sequence[Drafter | str] | None
+
+
+def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | None:
     if drafter is None or isinstance(drafter, Drafter):
         return drafter
+    if not isinstance(drafter, str):  # several: the policy picks one each round
+        members = [_resolve_drafter(d, model) for d in drafter]
+        if not members or any(m is None for m in members):
+            raise ValueError("a list of drafters must name at least one drafter and no None")
+        return members[0] if len(members) == 1 else DrafterGroup(members)
     if drafter == "ngram":
         return NgramDrafter()
     if drafter == "mtp":
@@ -155,11 +165,39 @@ def _check_prompt_ids(ids: list[int], vocab: int) -> None:
         raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
 
-def _check_settings(num_draft: int, max_tokens: int) -> None:
-    if not isinstance(num_draft, int) or num_draft < 0:
-        raise ValueError(f"num_draft must be an integer >= 0, got {num_draft}")
+AUTO = "auto"
+
+
+def _check_settings(num_draft, max_tokens: int, max_draft: int = 8) -> None:
+    if isinstance(num_draft, DraftPolicy):
+        pass
+    elif num_draft != AUTO and (not isinstance(num_draft, int) or num_draft < 0):
+        raise ValueError(f"num_draft must be 'auto' or an integer >= 0, got {num_draft!r}")
+    if not isinstance(max_draft, int) or max_draft < 1:
+        raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens}")
+
+
+def draft_label(num_draft) -> int | str:
+    """How `num_draft` is reported in the stats: k, "auto", or the policy's description."""
+    return num_draft.describe() if isinstance(num_draft, DraftPolicy) else num_draft
+
+
+def make_policy(
+    num_draft: int | str | DraftPolicy, max_draft: int, drafter: Drafter
+) -> DraftPolicy:
+    """The draft-length policy for `num_draft`: "auto" measures and adapts k in 0..max_draft
+    (and picks among a group's drafters); an integer drafts that many every round; a
+    `DraftPolicy` is used as it is."""
+    if isinstance(num_draft, DraftPolicy):
+        return num_draft
+    arms = len(drafter.arm_names)
+    if num_draft == AUTO:
+        return AdaptiveDraftLength(max_draft, arms)
+    if arms > 1:
+        return AdaptiveDraftLength(num_draft, arms, fixed=num_draft)
+    return FixedDraftLength(num_draft)
 
 
 def stream_generate(
@@ -167,8 +205,9 @@ def stream_generate(
     tokenizer,
     prompt: str | Sequence[int],
     *,
-    drafter: Drafter | str | None = None,
-    num_draft: int = 4,
+    drafter: DrafterSpec = None,
+    num_draft: int | str = AUTO,
+    max_draft: int = 8,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -184,8 +223,13 @@ def stream_generate(
         model, tokenizer: the target, e.g. from `load`.
         prompt: text or token ids.
         drafter: None (plain decoding), "ngram" (prompt lookup), "mtp" (the MTP head converted
-            beside the target), or a `Drafter`.
-        num_draft: draft tokens per round (k); 0 decodes plainly.
+            beside the target), a `Drafter`, or a list of these (each round drafts with the
+            one the policy expects to be fastest).
+        num_draft: "auto" (default): each round's k in 0..max_draft maximises the expected
+            tokens per second from the acceptance and costs measured so far, falling back to
+            plain decoding when speculation does not pay; or a fixed k (0 decodes plainly).
+            A `DraftPolicy` object chooses each round itself.
+        max_draft: the longest draft "auto" considers.
         temperature, top_p, top_k, min_p: sampling settings (temperature 0 = greedy).
         max_tokens: generated tokens at most.
         seed: seeds MLX's random generator for reproducible sampling.
@@ -194,7 +238,7 @@ def stream_generate(
         One `GenerationChunk` per token, then a final chunk with `token=None` and the stats.
     """
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    _check_settings(num_draft, max_tokens)
+    _check_settings(num_draft, max_tokens, max_draft)
     tokenizer = wrap_tokenizer(tokenizer)
     vocab = scored_vocab(model, tokenizer)
     ids = checked_prompt(tokenizer, prompt, vocab)
@@ -212,12 +256,13 @@ def stream_generate(
     check_fits(ids, target)
     if seed is not None:
         mx.random.seed(seed)
+    policy = make_policy(num_draft, max_draft, drafter) if drafter is not None else None
     stats = SpecStats(
-        drafter=drafter.name if drafter else "none", num_draft=num_draft, prompt_tokens=len(ids)
+        drafter=drafter.name if drafter else "none",
+        num_draft=draft_label(num_draft),
+        prompt_tokens=len(ids),
     )
-    yield from _stream(
-        target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, stats, stop
-    )
+    yield from _stream(target, drafter, ids, tokenizer, sampling, policy, max_tokens, stats, stop)
 
 
 def wrap_tokenizer(tokenizer) -> TokenizerWrapper:
@@ -240,7 +285,7 @@ def check_fits(ids: list[int], target: ModelRunner) -> None:
         )
 
 
-def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, stats, stop):
+def _stream(target, drafter, ids, tokenizer, sampling, policy, max_tokens, stats, stop):
     tic = time.perf_counter()
     hidden = target.prefill(ids[:-1])
     if drafter is not None:
@@ -248,7 +293,7 @@ def _stream(target, drafter, ids, tokenizer, sampling, num_draft, max_tokens, st
         drafter.begin(ids, target.vocab_size, hidden)
     stats.prefill_seconds = time.perf_counter() - tic
     yield from decode(
-        target, drafter, ids[-1], tokenizer, sampling, num_draft, max_tokens, stats, stop
+        target, drafter, ids[-1], tokenizer, sampling, policy, max_tokens, stats, stop
     )
 
 
@@ -258,7 +303,7 @@ def decode(
     last: int,
     tokenizer: TokenizerWrapper,
     sampling: SamplingConfig,
-    num_draft: int,
+    policy: DraftPolicy | None,
     max_tokens: int,
     stats: SpecStats,
     stop: Sequence[str],
@@ -277,7 +322,7 @@ def decode(
             target,
             drafter,
             last,
-            num_draft=num_draft,
+            policy=policy,
             sampling=sampling,
             max_tokens=max_tokens,
             stats=stats,
@@ -348,8 +393,9 @@ def generate(
     tokenizer,
     prompt: str | Sequence[int],
     *,
-    drafter: Drafter | str | None = None,
-    num_draft: int = 4,
+    drafter: DrafterSpec = None,
+    num_draft: int | str = AUTO,
+    max_draft: int = 8,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -369,6 +415,7 @@ def generate(
         prompt,
         drafter=drafter,
         num_draft=num_draft,
+        max_draft=max_draft,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

@@ -106,7 +106,7 @@ from mlx_spec.drafters.mtp import MTP_DIR
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.runner import ModelRunner, context_limit
 from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
-from mlx_spec.stats import SpecStats
+from mlx_spec.stats import SpecStats, merge_stats
 
 import mlx.core as mx
 import numpy as np
@@ -551,28 +551,6 @@ def analytic_curve(report: BenchReport, mode: str, temperature: float) -> list[t
         tokens = 1.0 + sum(ref.acceptance_by_position[:k])
         v = verify[k] if k in verify else verify[str(k)]
         out.append((k, tokens / (k * ref.draft_cost + v)))
-    return out
-
-
-def merge_stats(runs: Sequence[SpecStats]) -> SpecStats:
-    """Counters of several generations added up (per position, rounds, tokens, seconds)."""
-    out = SpecStats(drafter=runs[0].drafter, num_draft=runs[0].num_draft)
-    width = max(len(s.drafted_per_position) for s in runs)
-    out.drafted_per_position = [0] * width
-    out.accepted_per_position = [0] * width
-    for s in runs:
-        for i, (d, a) in enumerate(
-            zip(s.drafted_per_position, s.accepted_per_position, strict=True)
-        ):
-            out.drafted_per_position[i] += d
-            out.accepted_per_position[i] += a
-        out.prompt_tokens += s.prompt_tokens
-        out.generated_tokens += s.generated_tokens
-        out.target_passes += s.target_passes
-        out.replays += s.replays
-        out.prefill_seconds += s.prefill_seconds
-        out.decode_seconds += s.decode_seconds
-        out.rollback_seconds += s.rollback_seconds
     return out
 
 

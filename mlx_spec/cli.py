@@ -269,6 +269,21 @@ def _add_distill(sub) -> None:
         default=50_000,
         help="without --data: tokens the target writes to train on (default 50000)",
     )
+    p.add_argument(
+        "--target-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --data: also train on about N tokens of the target's own continuations "
+        "of windows of the data, half greedy and half sampled at temperature 1, so the "
+        "drafter learns what the target itself writes (default 0)",
+    )
+    p.add_argument(
+        "--init",
+        metavar="DIR",
+        help="train this drafter further (a directory distill or convert wrote; its size "
+        "flags are taken from it) instead of starting from scratch",
+    )
     defaults = DistillConfig()
     p.add_argument("--steps", type=int, default=defaults.steps)
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
@@ -313,10 +328,12 @@ def cmd_distill(args) -> int:
         data_paths=tuple(args.data),
         holdout_paths=tuple(args.holdout),
         generate=args.generate_tokens,
+        target_tokens=args.target_tokens,
+        init=args.init,
         force=args.force,
     )
     before, after = report["before"] or {}, report["after"]
-    for key in ("heldout_kl", "acceptance_greedy", "acceptance_t1"):
+    for key in after:
         was = f"{before[key]:.3f} -> " if key in before else ""
         print(f"{key}: {was}{after[key]:.3f}")
     flag = "--mtp" if args.kind == "mtp" else "--draft-model"

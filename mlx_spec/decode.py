@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mlx_spec.drafters.base import Drafter
+from mlx_spec.policy import DraftPolicy
 from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
+from mlx_spec.sampling import SamplingConfig, logits_to_probs, pick
 from mlx_spec.stats import SpecStats
 from mlx_spec.verify import greedy_verify, rejection_verify
 
@@ -42,8 +43,7 @@ def room_left(runner: ModelRunner) -> int | None:
 
 def _make_sampler(sampling: SamplingConfig, vocab_size: int):
     def sampler(logprobs: mx.array) -> mx.array:  # [1, padded_vocab] -> [1]
-        logits = logprobs[..., :vocab_size]
-        return greedy(logits) if sampling.greedy else sample(logits_to_probs(logits, sampling))
+        return pick(logprobs[..., :vocab_size], sampling)
 
     return sampler
 
@@ -98,18 +98,115 @@ def _verify(logits: mx.array, draft, sampling: SamplingConfig):
     return rejection_verify(logits_to_probs(logits, sampling), draft.probs, draft.tokens)
 
 
+class _Decoder:
+    """The state of one speculative generation: the pending token, what was produced, timing."""
+
+    def __init__(self, target, drafter, last, policy, sampling, max_tokens, stats, trace):
+        self.target, self.drafter, self.policy = target, drafter, policy
+        self.sampling, self.max_tokens, self.stats, self.trace = sampling, max_tokens, stats, trace
+        self.last, self.produced = last, 0
+
+    def room(self) -> bool:
+        left = room_left(self.target)
+        return self.produced < self.max_tokens and (left is None or left > 0)
+
+    def _commit(self, tokens: list[int]) -> None:
+        self.produced += len(tokens)
+        self.last = tokens[-1]
+        if self.trace is not None:
+            self.trace.extend(tokens)
+
+    def spec_round(self, arm: int, k: int) -> Iterator[Round]:
+        """One draft -> verify round, settled when the consumer asks for more (or closes)."""
+        target, drafter, sampling = self.target, self.drafter, self.sampling
+        tic = time.perf_counter()
+        drafter.select(arm)
+        draft = drafter.draft(k, sampling)
+        if self.policy.timed:  # drafting and verifying timed apart for the policy
+            mx.eval(draft.tokens, draft.probs)
+        drafted_at = time.perf_counter()
+        drafted = draft.tokens.size
+        target.checkpoint(drafted + 1, single_call=True)
+        inputs = mx.concatenate([mx.array([self.last], mx.uint32), draft.tokens.astype(mx.uint32)])
+        num_accepted, next_token = _verify(target(inputs), draft, sampling)
+        hidden = target.last_hidden if drafter.needs_hidden else None  # before any replay
+        mx.eval(num_accepted, next_token, draft.tokens)
+        n = num_accepted.item()
+        tokens = draft.tokens.tolist()[:n] + [next_token.item()]
+        rnd = Round(tokens, drafted, n, time.perf_counter() - tic)
+        try:
+            yield rnd
+        finally:
+            settle = time.perf_counter()
+            keep = _settle(target, drafter, rnd, hidden)
+            self._commit(rnd.tokens[:keep])
+            done = time.perf_counter()
+            self.stats.rollback_seconds += done - settle
+            verify_s = settle - drafted_at + done - settle
+            self.policy.observe_round(arm, k, drafted, n, drafted_at - tic, verify_s)
+            self.stats.observe_choice(drafter.arm_names[arm], k)
+
+    def plain_stretch(self, count: int) -> Iterator[Round]:
+        """Up to `count` plain decoding steps, pipelined: each step's pass is queued before the
+        token of the step before it is read. The drafter follows every token. A consumer that
+        closes early gets the token queued ahead of it taken back out of the target's cache, so
+        the invariant of the speculative rounds holds: the target holds all but `last`."""
+        target = self.target
+        count = min(count, self.max_tokens - self.produced)
+        left = room_left(target)
+        count = count if left is None else min(count, left)
+        if count <= 0:
+            return
+        tic = time.perf_counter()
+        token, hidden = self._plain_step(mx.array([self.last], mx.uint32))
+        rnd, ahead, settled, spent = None, None, True, 0.0
+        try:
+            for i in range(count):
+                ahead = self._plain_step(token) if i < count - 1 else None
+                rnd = Round([token.item()], 0, 0, time.perf_counter() - tic)
+                spent += rnd.seconds
+                self.stats.observe_choice(None, 0)
+                settled = False
+                yield rnd
+                self._follow(rnd, hidden)
+                settled = True
+                tic = time.perf_counter()
+                if ahead is not None:
+                    token, hidden = ahead
+        finally:
+            if not settled:  # closed after `rnd`: its token stays pending
+                if ahead is not None:
+                    target.rollback(0)  # undo the pass queued ahead over it
+                self._follow(rnd, hidden)
+            if rnd is not None:  # the stretch as a whole: its start is not overlapped
+                self.policy.observe_plain(i + 1, spent)
+
+    def _follow(self, rnd: Round, hidden: mx.array | None) -> None:
+        self.drafter.accept(0, rnd.tokens, hidden)
+        self._commit(rnd.tokens)
+
+    def _plain_step(self, token: mx.array) -> tuple[mx.array, mx.array | None]:
+        """Queue one pass over `[1]` token: (`[1]` next id, `[1, T]` hidden at its position)."""
+        self.target.checkpoint(1, single_call=True)
+        nxt = pick(self.target(token), self.sampling)
+        hidden = self.target.last_hidden[-1:] if self.drafter.needs_hidden else None
+        mx.async_eval(nxt)
+        return nxt, hidden
+
+
 def speculative_rounds(
     target: ModelRunner,
     drafter: Drafter,
     last: int,
     *,
-    num_draft: int,
+    policy: DraftPolicy,
     sampling: SamplingConfig,
     max_tokens: int,
     stats: SpecStats,
     trace: list[int] | None = None,
 ) -> Iterator[Round]:
-    """Draft -> verify -> rollback rounds until `max_tokens` or the context is used up.
+    """Draft -> verify -> rollback rounds (and plain stretches, when the policy asks for them)
+    until `max_tokens` or the context is used up.
 
     `target` holds every token but `last`; the drafter has been begun on the same sequence.
     A round is settled (target rolled back to the kept tokens, drafter told) when the consumer
@@ -117,36 +214,21 @@ def speculative_rounds(
     `Round.keep`. After settling, the caches hold the sequence up to its last kept token, which
     is pending; `trace` (if given) gets the kept tokens.
     """
-    produced = 0
-    tic = time.perf_counter()
-    while produced < max_tokens and (room_left(target) is None or room_left(target) > 0):
-        draft = drafter.draft(draft_budget(num_draft, max_tokens - produced, target), sampling)
-        k = draft.tokens.size
-        target.checkpoint(k + 1, single_call=True)
-        inputs = mx.concatenate([mx.array([last], mx.uint32), draft.tokens.astype(mx.uint32)])
-        num_accepted, next_token = _verify(target(inputs), draft, sampling)
-        hidden = target.last_hidden if drafter.needs_hidden else None  # before any replay
-        mx.eval(num_accepted, next_token, draft.tokens)
-        n = num_accepted.item()
-        tokens = draft.tokens.tolist()[:n] + [next_token.item()]
-        rnd = Round(tokens, k, n, time.perf_counter() - tic)
-        try:
-            yield rnd
-        finally:
-            tic = time.perf_counter()  # settling counts towards the next round's latency
-            keep = _settle(target, drafter, rnd, hidden, trace)
-            stats.rollback_seconds += time.perf_counter() - tic
-        produced += keep
-        last = rnd.tokens[keep - 1]
+    run = _Decoder(target, drafter, last, policy, sampling, max_tokens, stats, trace)
+    while run.room():
+        limit = draft_budget(policy.max_draft, max_tokens - run.produced, target)
+        choice = policy.choose(limit)
+        if choice.plain_tokens:
+            yield from run.plain_stretch(choice.plain_tokens)
+        else:
+            yield from run.spec_round(choice.arm, min(choice.num_draft, limit))
 
 
-def _settle(target: ModelRunner, drafter: Drafter, rnd: Round, hidden, trace) -> int:
+def _settle(target: ModelRunner, drafter: Drafter, rnd: Round, hidden) -> int:
     """Roll the target back to the round's kept tokens and tell the drafter; returns how many
     of the round's tokens were kept (at least one: the last kept token becomes pending)."""
     keep = len(rnd.tokens) if rnd.keep is None else max(1, min(rnd.keep, len(rnd.tokens)))
     target.rollback(keep)  # fed: last + the drafts; kept: last + the first keep - 1 tokens
     # A cut inside the accepted run looks to the drafter like a rejection after keep - 1 drafts.
     drafter.accept(keep - 1, rnd.tokens[:keep], None if hidden is None else hidden[:keep])
-    if trace is not None:
-        trace.extend(rnd.tokens[:keep])
     return keep

@@ -14,8 +14,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mlx_spec.compat import copy_tokenizer_files
-from mlx_spec.distill_data import TokenData, encode_files, generate_tokens, text_files
+from mlx_spec.compat import copy_tokenizer_files, scored_vocab
+from mlx_spec.distill_data import (
+    TokenData,
+    encode_files,
+    generate_tokens,
+    target_text,
+    text_files,
+)
 from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
 from mlx_spec.hidden import tap_hidden
 from mlx_spec.models.mtp import MTPModule, target_layers
@@ -90,9 +96,14 @@ def student_config(target_config: dict, config: DistillConfig) -> dict:
     }
 
 
-def build_student(target: nn.Module, target_config: dict, config: DistillConfig):
-    """(student module, its config) for `config.kind`, freshly initialized."""
+def build_student(
+    target: nn.Module, target_config: dict, config: DistillConfig, init: Path | None = None
+):
+    """(student module, its config) for `config.kind`: freshly initialized, or the drafter
+    in `init` (a directory `mlx-spec distill` or `mlx-spec convert` wrote) to train further."""
     mx.random.seed(config.seed)
+    if init is not None:
+        return _load_student(target, target_config, config, init)
     if config.kind == "draft-model":
         student_cfg = student_config(target_config, config)
         model_cls, args_cls = _get_classes(student_cfg)
@@ -101,6 +112,22 @@ def build_student(target: nn.Module, target_config: dict, config: DistillConfig)
     layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
     module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
     return module, target_config
+
+
+def _load_student(target: nn.Module, target_config: dict, config: DistillConfig, init: Path):
+    from mlx_spec.api import load
+    from mlx_spec.drafters.mtp import load_mtp_drafter
+
+    if config.kind == "mtp":
+        module = load_mtp_drafter(init, target).module
+        if module.family != config.mtp_family:
+            raise ValueError(
+                f"{init}: an MTP head in the {module.family} layout, not {config.mtp_family} "
+                f"(pass --mtp-family {module.family})"
+            )
+        return module, target_config
+    model, _ = load(str(init))
+    return model, json.loads((init / "config.json").read_text())
 
 
 def _kl(teacher_logprobs: mx.array, student_logits: mx.array) -> mx.array:
@@ -251,11 +278,13 @@ def heldout_acceptance(
     temperature: float,
     k: int = 4,
     max_tokens: int = 32,
-) -> float:
-    """Acceptance rate of `drafter` over held-out prompts (seeded, so repeatable)."""
+) -> tuple[float, float]:
+    """(acceptance rate, acceptance at the first draft position) of `drafter` over held-out
+    prompts (seeded, so repeatable)."""
     from mlx_spec.api import generate
+    from mlx_spec.stats import merge_stats
 
-    accepted = drafted = 0
+    runs = []
     for i, prompt in enumerate(prompts):
         stats = generate(
             target,
@@ -267,8 +296,10 @@ def heldout_acceptance(
             temperature=temperature,
             seed=i,
         ).stats
-        accepted, drafted = accepted + stats.accepted, drafted + stats.drafted
-    return accepted / drafted if drafted else 0.0
+        runs.append(stats)
+    total = merge_stats(runs)
+    first = total.acceptance_by_position[:1]
+    return total.acceptance_rate, first[0] if first else 0.0
 
 
 def measure(distiller: Distiller, tokenizer, heldout: TokenData) -> dict:
@@ -277,23 +308,32 @@ def measure(distiller: Distiller, tokenizer, heldout: TokenData) -> dict:
     batches = heldout.fixed_batches(4, config.batch_size, min(config.seq_len, len(heldout) - 1))
     drafter = drafter_for(distiller, tokenizer)
     prompts = heldout.prompts(8, 32)
-    return {
-        "heldout_kl": distiller.evaluate(batches),
-        "acceptance_greedy": heldout_acceptance(distiller.target, tokenizer, drafter, prompts, 0.0),
-        "acceptance_t1": heldout_acceptance(distiller.target, tokenizer, drafter, prompts, 1.0),
-    }
+    report = {"heldout_kl": distiller.evaluate(batches)}
+    for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
+        rate, first = heldout_acceptance(distiller.target, tokenizer, drafter, prompts, temperature)
+        report[f"acceptance_{name}"] = rate
+        report[f"acceptance_first_{name}"] = first
+    return report
 
 
 DATA_CACHE = ".distill-data.npz"
 
 
 def prepare_data(
-    target, tokenizer, out_dir: Path, data_paths, holdout_paths, generate: int, seed: int
+    target,
+    tokenizer,
+    out_dir: Path,
+    data_paths,
+    holdout_paths,
+    generate: int,
+    seed: int,
+    target_tokens: int = 0,
 ) -> tuple[TokenData, TokenData]:
     """Training and held-out tokens, cached in `out_dir` so a resumed run uses the same ones.
 
     Without data paths the target writes `generate` tokens itself; without held-out paths the
-    last tenth of the training tokens is held out (and never trained on).
+    last tenth of the training tokens is held out (and never trained on). With data paths and
+    `target_tokens`, the target's own continuations of windows of the training data are added.
     """
     cache = out_dir / DATA_CACHE
     if cache.exists():
@@ -308,6 +348,10 @@ def prepare_data(
     else:
         cut = int(train.size * 0.9)
         train, heldout = train[:cut], train[cut:]
+    if data_paths and target_tokens > 0:
+        vocab = scored_vocab(target, tokenizer)
+        own = target_text(target, train, target_tokens, seed, tokenizer, vocab)
+        train = np.concatenate([train, own])
     out_dir.mkdir(parents=True, exist_ok=True)
     np.savez(cache, train=train, heldout=heldout)
     return TokenData(train, seed), TokenData(heldout, seed)
@@ -321,6 +365,8 @@ def run_distill(
     data_paths: tuple = (),
     holdout_paths: tuple = (),
     generate: int = 50_000,
+    target_tokens: int = 0,
+    init: str | None = None,
     progress: bool = True,
     force: bool = False,
 ) -> dict:
@@ -328,6 +374,11 @@ def run_distill(
 
     Resumes from `out`'s checkpoint when one exists; writes the drafter directory (loadable by
     `mlx-spec generate --draft-model OUT` or `--mtp OUT`) and `distill.json` at the end.
+
+    Args:
+        target_tokens: with `data_paths`, also train on about this many tokens of the target's
+            own continuations of windows of the data (half greedy, half sampled).
+        init: a drafter directory to train further instead of starting from scratch.
     """
     from mlx_spec.api import load
 
@@ -340,9 +391,11 @@ def run_distill(
         )
     target, tokenizer = load(target_dir)
     data, heldout = prepare_data(
-        target, tokenizer, out_dir, data_paths, holdout_paths, generate, config.seed
+        target, tokenizer, out_dir, data_paths, holdout_paths, generate, config.seed, target_tokens
     )
-    student, student_cfg = build_student(target, target_text_config(Path(target_dir)), config)
+    student, student_cfg = build_student(
+        target, target_text_config(Path(target_dir)), config, None if init is None else Path(init)
+    )
     distiller = Distiller(target, student, config)
     tic = time.perf_counter()
     before = measure(distiller, tokenizer, heldout) if not checkpoint.exists() else None
@@ -354,6 +407,8 @@ def run_distill(
         "config": asdict(config),
         "train_tokens": len(data),
         "heldout_tokens": len(heldout),
+        "target_tokens": target_tokens,
+        "init": init,
         "seconds": time.perf_counter() - tic,
         "before": before,
         "after": after,

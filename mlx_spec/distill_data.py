@@ -47,6 +47,60 @@ def generate_tokens(model, tokenizer, count: int, seed: int, chunk: int = 256) -
     return np.asarray(ids[:count], np.int32)
 
 
+def continue_windows(
+    model,
+    windows: np.ndarray,
+    new_tokens: int,
+    temperature: float,
+    seed: int,
+    vocab_size: int,
+    batch_size: int = 16,
+) -> np.ndarray:
+    """The target's own continuations of `windows` (`[N, P]` token ids): `[N, new_tokens]` ids,
+    greedy (`temperature` 0) or sampled, generated `batch_size` rows at a time."""
+    from mlx_spec.sampling import SamplingConfig, pick
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    sampling = SamplingConfig(temperature=temperature)
+    mx.random.seed(seed)
+    out = []
+    for start in range(0, len(windows), batch_size):
+        cache = make_prompt_cache(model)
+        tokens = mx.array(windows[start : start + batch_size])  # [B, P]
+        rows = []
+        for _ in range(new_tokens):
+            logits = model(tokens, cache=cache)[:, -1, :vocab_size]  # [B, vocab]
+            tokens = pick(logits, sampling)[:, None]
+            mx.async_eval(tokens)
+            rows.append(tokens)
+        out.append(np.array(mx.concatenate(rows, axis=1)))
+    return np.concatenate(out) if out else np.zeros((0, new_tokens), np.int32)
+
+
+def target_text(
+    model, data: np.ndarray, count: int, seed: int, tokenizer, vocab_size: int, prompt_len: int = 64
+) -> np.ndarray:
+    """About `count` tokens of the target's own text to train on: windows of `data`, each
+    followed by the target's continuation (half greedy, half sampled at temperature 1) and EOS
+    (when the tokenizer has one), joined."""
+    new = 4 * prompt_len
+    rows = max(2, -(-count // (prompt_len + new)))
+    rng = np.random.default_rng((seed, 7))
+    starts = rng.integers(0, max(1, data.size - prompt_len), size=rows)
+    windows = np.stack([data[s : s + prompt_len] for s in starts]).astype(np.int32)
+    half = rows // 2
+    continued = np.concatenate(
+        [
+            continue_windows(model, windows[:half], new, 0.0, seed, vocab_size),
+            continue_windows(model, windows[half:], new, 1.0, seed + 1, vocab_size),
+        ]
+    )
+    eos = sorted(tokenizer.eos_token_ids)[:1]
+    pieces = [np.concatenate([w, c, eos]) for w, c in zip(windows, continued, strict=True)]
+    return np.concatenate(pieces).astype(np.int32)
+
+
 class TokenData:
     """A token array from which batch `step` is always the same windows (resumable)."""
 

@@ -80,6 +80,12 @@ def sample(probs: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs), axis=-1).astype(mx.uint32)
 
 
+def pick(logits: mx.array, config: SamplingConfig) -> mx.array:
+    """Next ids from `[..., vocab]` logits: argmax when greedy, else a draw from the sampling
+    distribution; returns `[...]` uint32 ids."""
+    return greedy(logits) if config.greedy else sample(logits_to_probs(logits, config))
+
+
 def greedy(logits: mx.array) -> mx.array:
     """Argmax per row: `[..., vocab]` -> `[...]` uint32 ids."""
     return mx.argmax(logits, axis=-1).astype(mx.uint32)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator, Sequence
 
 from mlx_spec.api import (
+    AUTO,
+    DrafterSpec,
     GenerationChunk,
     GenerationResult,
     _check_settings,
@@ -22,6 +24,8 @@ from mlx_spec.api import (
     check_fits,
     checked_prompt,
     decode,
+    draft_label,
+    make_policy,
     wrap_tokenizer,
 )
 from mlx_spec.compat import scored_vocab
@@ -48,9 +52,11 @@ class Session:
 
     Args:
         model, tokenizer: the target, e.g. from `mlx_spec.load`.
-        drafter: None, "ngram", "mtp" or a `Drafter` (as for `stream_generate`); it is kept,
-            with its own cache, for the whole session.
-        num_draft: draft tokens per round unless a call says otherwise.
+        drafter: None, "ngram", "mtp", a `Drafter` or a list of them (as for
+            `stream_generate`); it is kept, with its own cache, for the whole session.
+        num_draft: "auto" or draft tokens per round, unless a call says otherwise. With "auto"
+            the costs and acceptance measured in one turn carry over to the next.
+        max_draft: the longest draft "auto" considers.
     """
 
     def __init__(
@@ -58,10 +64,11 @@ class Session:
         model: nn.Module,
         tokenizer,
         *,
-        drafter: Drafter | str | None = None,
-        num_draft: int = 4,
+        drafter: DrafterSpec = None,
+        num_draft: int | str = AUTO,
+        max_draft: int = 8,
     ):
-        _check_settings(num_draft, 0)
+        _check_settings(num_draft, 0, max_draft)
         self.model = model
         self.tokenizer = wrap_tokenizer(tokenizer)
         self.vocab_size = scored_vocab(model, self.tokenizer)
@@ -69,6 +76,8 @@ class Session:
         if self.drafter is not None:
             self.drafter.check_compatible(model, self.tokenizer, self.vocab_size)
         self.num_draft = num_draft
+        self.max_draft = max_draft
+        self._policies: dict = {}  # (num_draft, max_draft) -> its policy, kept across turns
         self.last_stats: SpecStats | None = None
         self.reset()
 
@@ -98,7 +107,8 @@ class Session:
         self,
         prompt: str | Sequence[int],
         *,
-        num_draft: int | None = None,
+        num_draft: int | str | None = None,
+        max_draft: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -113,8 +123,9 @@ class Session:
         this turn). Closing the generator early (or Ctrl-C between chunks) keeps the caches
         consistent with the tokens emitted so far."""
         num_draft = self.num_draft if num_draft is None else num_draft
+        max_draft = self.max_draft if max_draft is None else max_draft
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        _check_settings(num_draft, max_tokens)
+        _check_settings(num_draft, max_tokens, max_draft)
         ids = checked_prompt(self.tokenizer, prompt, self.vocab_size)
         check_fits(ids, self.target)
         drafter = self.drafter if num_draft else None
@@ -122,7 +133,7 @@ class Session:
             mx.random.seed(seed)
         stats = SpecStats(
             drafter=drafter.name if drafter else "none",
-            num_draft=num_draft,
+            num_draft=draft_label(num_draft),
             prompt_tokens=len(ids),
         )
         self.last_stats = stats
@@ -142,7 +153,7 @@ class Session:
                 ids[-1],
                 self.tokenizer,
                 sampling,
-                num_draft,
+                self._policy(drafter, num_draft, max_draft),
                 max_tokens,
                 stats,
                 stop,
@@ -153,6 +164,14 @@ class Session:
             raise
         else:
             self._commit(ids, trace, drafter)
+
+    def _policy(self, drafter: Drafter | None, num_draft: int | str, max_draft: int):
+        if drafter is None:
+            return None
+        key = (num_draft, max_draft)
+        if key not in self._policies:
+            self._policies[key] = make_policy(num_draft, max_draft, drafter)
+        return self._policies[key]
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         """Run `stream` to the end; returns a `GenerationResult` (text, stats, tokens, ...)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,7 @@ class SpecStats:
     """
 
     drafter: str = "none"
-    num_draft: int = 0
+    num_draft: int | str = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_reset: bool = False
@@ -34,6 +35,16 @@ class SpecStats:
     decode_seconds: float = 0.0
     rollback_seconds: float = 0.0
     round_seconds: list[float] = field(default_factory=list)
+    # Draft lengths chosen: rounds per k asked for (k = 0: plain decoding steps), and rounds per
+    # drafter (with a drafter group, which drafter drafted them).
+    k_histogram: dict[int, int] = field(default_factory=dict)
+    drafter_rounds: dict[str, int] = field(default_factory=dict)
+
+    def observe_choice(self, drafter: str | None, k: int) -> None:
+        """A round asked `drafter` for k drafts (None, 0: a plain decoding step)."""
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+        if drafter is not None:
+            self.drafter_rounds[drafter] = self.drafter_rounds.get(drafter, 0) + 1
 
     def observe_round(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
         """Record a round in which `drafted` tokens were proposed, the first `accepted` kept,
@@ -69,6 +80,14 @@ class SpecStats:
         return self.generated_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
+    def acceptance_by_position(self) -> list[float]:
+        """Per draft position: rounds that kept it / rounds that drafted it."""
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)
+        ]
+
+    @property
     def prefilled_tokens(self) -> int:
         """Prompt tokens the target had to process (those not already cached)."""
         return self.prompt_tokens - self.cached_tokens
@@ -86,10 +105,6 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         """Plain JSON-ready summary."""
-        acceptance_by_position = [
-            a / d if d else 0.0
-            for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=False)
-        ]
         return {
             "drafter": self.drafter,
             "num_draft": self.num_draft,
@@ -105,7 +120,7 @@ class SpecStats:
             "mean_accepted_length": self.mean_accepted_length,
             "drafted_per_position": self.drafted_per_position,
             "accepted_per_position": self.accepted_per_position,
-            "acceptance_by_position": acceptance_by_position,
+            "acceptance_by_position": self.acceptance_by_position,
             "prefill_tokens_per_sec": self.prefill_tokens_per_sec,
             "decode_tokens_per_sec": self.decode_tokens_per_sec,
             "prefill_seconds": self.prefill_seconds,
@@ -114,4 +129,32 @@ class SpecStats:
             "round_latency_p95_ms": self.round_latency_ms(95),
             "rollback_seconds": self.rollback_seconds,
             "replays": self.replays,
+            "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
+            "drafter_rounds": dict(self.drafter_rounds),
         }
+
+
+def merge_stats(runs: Sequence[SpecStats]) -> SpecStats:
+    """Counters of several generations added up (per position, rounds, tokens, seconds)."""
+    out = SpecStats(drafter=runs[0].drafter, num_draft=runs[0].num_draft)
+    width = max(len(s.drafted_per_position) for s in runs)
+    out.drafted_per_position = [0] * width
+    out.accepted_per_position = [0] * width
+    for s in runs:
+        for i, (d, a) in enumerate(
+            zip(s.drafted_per_position, s.accepted_per_position, strict=True)
+        ):
+            out.drafted_per_position[i] += d
+            out.accepted_per_position[i] += a
+        out.prompt_tokens += s.prompt_tokens
+        out.generated_tokens += s.generated_tokens
+        out.target_passes += s.target_passes
+        out.replays += s.replays
+        out.prefill_seconds += s.prefill_seconds
+        out.decode_seconds += s.decode_seconds
+        out.rollback_seconds += s.rollback_seconds
+        for k, n in s.k_histogram.items():
+            out.k_histogram[k] = out.k_histogram.get(k, 0) + n
+        for name, n in s.drafter_rounds.items():
+            out.drafter_rounds[name] = out.drafter_rounds.get(name, 0) + n
+    return out

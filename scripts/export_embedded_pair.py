@@ -32,9 +32,21 @@ def _tokenizer(source: Path, dest: Path) -> None:
         shutil.copy(source / name, dest / name)
 
 
-def export_target(work: Path, dest: Path) -> None:
-    """target-hf (Qwen2 layout) + mtp-mlx (MiMo MTP module) -> a MiMo checkpoint."""
-    config = json.loads((work / "target-hf" / "config.json").read_text())
+def _base_target(work: Path, shipped: Path) -> tuple[dict, dict[str, mx.array]]:
+    """(config, weights) of the trained target without MTP tensors: `target-hf` from the
+    target stage, else the target shipped in the package (when only the drafters were
+    retrained)."""
+    if (work / "target-hf" / "config.json").is_file():
+        config = json.loads((work / "target-hf" / "config.json").read_text())
+        return config, _load(work / "target-hf")
+    config = json.loads((shipped / "config.json").read_text())
+    weights = _load(shipped)
+    return config, {k: v for k, v in weights.items() if not k.startswith("model.mtp_layers.")}
+
+
+def export_target(work: Path, dest: Path, shipped: Path) -> None:
+    """The trained target + mtp-mlx (MiMo MTP module) -> a MiMo checkpoint."""
+    config, weights = _base_target(work, shipped)
     config.update(
         model_type="mimo",
         architectures=["MiMoForCausalLM"],
@@ -42,7 +54,6 @@ def export_target(work: Path, dest: Path) -> None:
         torch_dtype="float16",
     )
     config.pop("dtype", None)
-    weights = _load(work / "target-hf")
     mtp = _load(work / "mtp-mlx")
     for name, value in mtp.items():
         if not name.startswith("layers.0."):
@@ -51,10 +62,10 @@ def export_target(work: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dest / "model.safetensors"), _half(weights), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    _tokenizer(work / "target-hf", dest)
+    _tokenizer(shipped, dest)
 
 
-def export_draft(work: Path, dest: Path) -> None:
+def export_draft(work: Path, dest: Path, shipped: Path) -> None:
     """draft-mlx (mlx-lm llama, names equal to Hugging Face's) -> a llama checkpoint."""
     config = json.loads((work / "draft-mlx" / "config.json").read_text())
     config.update(architectures=["LlamaForCausalLM"], torch_dtype="float16")
@@ -63,29 +74,41 @@ def export_draft(work: Path, dest: Path) -> None:
         str(dest / "model.safetensors"), _half(_load(work / "draft-mlx")), metadata={"format": "pt"}
     )
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    _tokenizer(work / "target-hf", dest)
+    _tokenizer(shipped, dest)
 
 
-def training_record(work: Path) -> dict:
-    """How the pair was trained: the target's loss log and both distillation reports."""
-    import torch
+def training_record(work: Path, previous: dict) -> dict:
+    """How the pair was trained: the target's loss log and both distillation reports (each
+    drafter's earlier rounds kept under `earlier` when it was trained further)."""
+    if (work / "target-train.pt").is_file():
+        import torch
 
-    state = torch.load(work / "target-train.pt", weights_only=False)["state"]
-    record = {"target": {"framework": "pytorch", "steps": state["step"], "log": state["log"]}}
+        state = torch.load(work / "target-train.pt", weights_only=False)["state"]
+        record = {"target": {"framework": "pytorch", "steps": state["step"], "log": state["log"]}}
+    else:
+        record = {"target": previous["target"]}
     for name in ("draft", "mtp"):
         report = json.loads((work / f"{name}-mlx" / "distill.json").read_text())
-        keys = ("kind", "steps", "config", "seconds", "before", "after")
-        record[name] = {k: report[k] for k in keys}
+        keys = ("kind", "steps", "config", "seconds", "before", "after", "target_tokens", "init")
+        record[name] = {k: report[k] for k in keys if k in report}
+        if report.get("init") and name in previous:
+            old = previous[name]
+            record[name]["earlier"] = [*old.pop("earlier", []), old]
     return record
 
 
 def export(work: Path, out: Path) -> None:
+    record = out / "training.json"
+    previous = json.loads(record.read_text()) if record.is_file() else {}
+    staged = out / ".staged"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
     for name, writer in (("target", export_target), ("draft", export_draft)):
-        tmp = out / f".{name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        writer(work, tmp)
+        writer(work, staged / name, out / "target")
+    for name in ("target", "draft"):
         shutil.rmtree(out / name, ignore_errors=True)
-        tmp.rename(out / name)
+        (staged / name).rename(out / name)
         size = sum(p.stat().st_size for p in (out / name).iterdir()) / 1e6
         print(f"wrote {out / name} ({size:.1f} MB)")
-    (out / "training.json").write_text(json.dumps(training_record(work), indent=1))
+    staged.rmdir()
+    record.write_text(json.dumps(training_record(work, previous), indent=1))

@@ -257,6 +257,58 @@ def stage_mtp(args) -> None:
     _distill(args, "mtp-mlx", "--kind", "mtp", "--mtp-family", "mimo")
 
 
+def stage_refine(args) -> None:
+    """Train the shipped pair's drafters further: each starts from the shipped weights and
+    trains on the training files plus the target's own continuations of them (generated
+    once, shared by both runs through the data cache `mlx-spec distill` resumes from)."""
+    import mlx_spec
+    from mlx_spec.distill import DATA_CACHE, prepare_data
+    from mlx_spec.embedded import converted_pair
+
+    target, draft = converted_pair()
+    shared = WORK / "refine-data"
+    if not (shared / DATA_CACHE).is_file():
+        model, tokenizer = mlx_spec.load(str(target))
+        prepare_data(
+            model,
+            tokenizer,
+            shared,
+            (str(_train_dir()),),
+            (str(_heldout_dir()),),
+            0,
+            0,
+            args.target_tokens,
+        )
+    common = [
+        "--model",
+        str(target),
+        "--data",
+        str(_train_dir()),
+        "--holdout",
+        str(_heldout_dir()),
+        "--steps",
+        str(args.distill_steps),
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "8",
+        "--lr",
+        str(args.distill_lr),
+        "--target-tokens",
+        str(args.target_tokens),
+        "--force",
+    ]
+    runs = {
+        "mtp-mlx": ["--kind", "mtp", "--mtp-family", "mimo", "--init", str(target)],
+        "draft-mlx": ["--init", str(draft)],
+    }
+    for out, extra in runs.items():
+        if not (WORK / out / ".distill-checkpoint").exists():
+            (WORK / out).mkdir(parents=True, exist_ok=True)
+            shutil.copy(shared / DATA_CACHE, WORK / out / DATA_CACHE)
+        _mlx_spec("distill", *common, "--out", str(WORK / out), *extra)
+
+
 def stage_export(args) -> None:
     from export_embedded_pair import export  # kept beside this script
 
@@ -276,7 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("stage", choices=[*STAGES, "export", "all"])
+    parser.add_argument("stage", choices=[*STAGES, "refine", "export", "all"])
     parser.add_argument("--minutes", type=float, default=60, help="target training budget")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -289,10 +341,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--distill-steps", type=int, default=1500)
+    parser.add_argument("--distill-lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--target-tokens",
+        type=int,
+        default=0,
+        help="refine: tokens of the target's own continuations added to the distillation data",
+    )
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
-    stages = {**STAGES, "export": stage_export}
-    for name in list(stages) if args.stage == "all" else [args.stage]:
+    stages = {**STAGES, "refine": stage_refine, "export": stage_export}
+    for name in [*STAGES, "export"] if args.stage == "all" else [args.stage]:
         print(f"== {name}", flush=True)
         stages[name](args)
 

@@ -1,46 +1,17 @@
-"""Pearson's chi-square goodness-of-fit test without scipy (test-only helper)."""
+"""Goodness of fit of sampled token sequences to a target's exact distribution (test-only)."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
+from collections.abc import Callable, Sequence
 
-
-def _upper_gamma_regularized(a: float, x: float) -> float:
-    """Q(a, x) = Gamma(a, x) / Gamma(a), by series (x < a+1) or continued fraction."""
-    if x <= 0:
-        return 1.0
-    log_prefactor = -x + a * math.log(x) - math.lgamma(a)
-    if x < a + 1:
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > abs(total) * 1e-15:
-            n += 1
-            term *= x / n
-            total += term
-        return 1.0 - total * math.exp(log_prefactor)
-    # Lentz's continued fraction for Q.
-    tiny = 1e-300
-    b = x + 1 - a
-    c, d = 1 / tiny, 1 / b
-    h = d
-    for i in range(1, 10_000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1) < 1e-15:
-            break
-    return math.exp(log_prefactor) * h
+import numpy as np
+from scipy.stats import chisquare
 
 
 def chisquare_pvalue(samples: list, expected: dict, min_expected: float = 5.0) -> float:
-    """p-value that `samples` were drawn from the distribution `expected` (outcome -> prob).
+    """p-value of Pearson's chi-square test that `samples` were drawn from `expected`
+    (outcome -> probability), from scipy.
 
     Outcomes with expected count below `min_expected` are pooled into one bin. A sample outside
     the support of `expected` gives p = 0.
@@ -49,16 +20,54 @@ def chisquare_pvalue(samples: list, expected: dict, min_expected: float = 5.0) -
     counts = Counter(samples)
     if any(expected.get(outcome, 0.0) <= 0 for outcome in counts):
         return 0.0
-    stat, bins, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    observed, wanted = [], []
+    pooled_obs, pooled_exp = 0, 0.0
     for outcome, prob in expected.items():
-        exp_count = n * prob
-        if exp_count < min_expected:
+        if n * prob < min_expected:
             pooled_obs += counts.get(outcome, 0)
-            pooled_exp += exp_count
-            continue
-        stat += (counts.get(outcome, 0) - exp_count) ** 2 / exp_count
-        bins += 1
+            pooled_exp += n * prob
+        else:
+            observed.append(counts.get(outcome, 0))
+            wanted.append(n * prob)
     if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        bins += 1
-    return _upper_gamma_regularized((bins - 1) / 2, stat / 2) if bins > 1 else 1.0
+        observed.append(pooled_obs)
+        wanted.append(pooled_exp)
+    if len(observed) < 2:
+        return 1.0
+    wanted = np.asarray(wanted) * (n / np.sum(wanted))  # exact sums for scipy's check
+    return float(chisquare(observed, wanted).pvalue)
+
+
+def exact_sequences(
+    next_probs: Callable[[list[int]], np.ndarray], prompt: Sequence[int], length: int
+) -> dict:
+    """P(t_1 .. t_length | prompt) for every sequence of nonzero probability, by enumeration;
+    `next_probs(ids)` is the target's sampling distribution after `ids`."""
+    out = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for seq, prob in out.items():
+            for token, p in enumerate(next_probs(list(prompt) + list(seq))):
+                if p > 0:
+                    grown[seq + (token,)] = prob * float(p)
+        out = grown
+    return out
+
+
+def reference_probs(logits: np.ndarray, config) -> np.ndarray:
+    """The sampling distribution in numpy, independent of mlx_spec.sampling: softmax at the
+    temperature, then top-k, top-p (the smallest most-likely prefix reaching top_p), min-p."""
+    z = logits.astype(np.float64) / config.temperature
+    if config.top_k:
+        z = np.where(z < np.sort(z)[-config.top_k], -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if config.top_p < 1.0:
+        order = np.argsort(-p)
+        before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[before < config.top_p]] = True
+        p = np.where(keep, p, 0.0)
+    if config.min_p:
+        p = np.where(p < config.min_p * p.max(), 0.0, p)
+    return p / p.sum()

@@ -221,7 +221,7 @@ def test_padded_draft_model_is_accepted(padded):
     model, tok, padded_model, padded_tok = padded
     ref = mlx_spec.generate(model, tok, "abc", max_tokens=20)
     drafter = mlx_spec.DraftModelDrafter(padded_model, padded_tok)
-    out = mlx_spec.generate(model, tok, "abc", drafter=drafter, max_tokens=20)
+    out = mlx_spec.generate(model, tok, "abc", drafter=drafter, num_draft=4, max_tokens=20)
     assert out.tokens == ref.tokens
     assert out.stats.acceptance_rate == 1.0
 

@@ -1,5 +1,10 @@
-"""Distribution preservation end to end: the first two generated tokens of speculative sampling
-follow the target's exact distribution, enumerated over a 8-token vocabulary."""
+"""Distribution preservation end to end: the first three generated tokens of speculative
+sampling with k = 2 (both draft positions, the residual at the second, the bonus token after
+two) follow the target's exact distribution, enumerated over an 8-token vocabulary, for fixed,
+moving and adaptive draft lengths. The same chi-square test rejects a verifier that accepts
+every draft and, more subtly, one that draws the recovered token from the target's
+distribution instead of the residual; and it has the power to reject the drafter's own
+distribution from the same samples."""
 
 from __future__ import annotations
 
@@ -7,19 +12,22 @@ import mlx_spec
 import mlx_spec.decode
 from mlx_spec import DraftModelDrafter
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.sampling import SamplingConfig, logits_to_probs, sample
+from mlx_spec.policy import AdaptiveDraftLength
+from mlx_spec.sampling import SamplingConfig, sample
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import tinymodels as tm
-from chisquare import chisquare_pvalue
+from chisquare import chisquare_pvalue, exact_sequences, reference_probs
 from conftest import with_eos
+from test_adaptive import ScriptedPolicy
 
 ALPHA = 1e-3  # stated false-positive rate of each test
 RUNS = 2000
 ALPHABET = "abcde"
 PROMPT = [3, 4, 5, 3]
+LENGTH = 3  # tokens compared: with k = 2, round one can emit all three
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +51,17 @@ def pair(tmp_path_factory):
     return model, with_eos(tok), draft, draft_tok
 
 
-def exact_two_token_distribution(model, config: SamplingConfig) -> dict:
-    """P(t1, t2 | prompt) under the target with these sampling settings, by enumeration."""
+def exact_distribution(model, config: SamplingConfig) -> dict:
+    """P(t1, t2, t3 | prompt) under `model` with these sampling settings, by enumeration."""
 
     def next_probs(ids):
-        return np.array(logits_to_probs(model(mx.array([ids]))[0, -1], config))
+        return reference_probs(np.array(model(mx.array([ids]))[0, -1]), config)
 
-    first = next_probs(PROMPT)
-    return {
-        (a, b): first[a] * p
-        for a in range(first.size)
-        if first[a] > 0
-        for b, p in enumerate(next_probs(PROMPT + [a]))
-    }
+    return exact_sequences(next_probs, PROMPT, LENGTH)
 
 
-def sampled_pairs(model, tok, make_drafter, config: SamplingConfig) -> list:
+def sampled(model, tok, make_drafter, config: SamplingConfig, num_draft=lambda: 2) -> list:
+    """The first three tokens of RUNS seeded generations."""
     out = []
     for seed in range(RUNS):
         result = mlx_spec.generate(
@@ -66,8 +69,8 @@ def sampled_pairs(model, tok, make_drafter, config: SamplingConfig) -> list:
             tok,
             PROMPT,
             drafter=make_drafter(),
-            num_draft=2,
-            max_tokens=2,
+            num_draft=num_draft(),
+            max_tokens=LENGTH,
             seed=seed,
             temperature=config.temperature,
             top_p=config.top_p,
@@ -92,9 +95,22 @@ class RandomOneHotDrafter(Drafter):
         pass
 
 
-def drafter_factory(kind, draft, draft_tok):
+class GreedyOneHotDrafter(DraftModelDrafter):
+    """Proposes the draft model's argmax tokens with no distribution (like n-gram lookup:
+    plausible tokens, verified as one-hot)."""
+
+    name = "greedy-one-hot"
+
+    def draft(self, k, sampling):
+        return Draft(super().draft(k, SamplingConfig()).tokens)
+
+
+def factory(kind, pair):
+    _, _, draft, draft_tok = pair
     if kind == "draft-model":
         return lambda: DraftModelDrafter(draft, draft_tok)
+    if kind == "one-hot":
+        return lambda: GreedyOneHotDrafter(draft, draft_tok)
     return RandomOneHotDrafter
 
 
@@ -103,43 +119,89 @@ def always_accept(target_probs, draft_probs, draft_tokens):
     return mx.array(k), sample(target_probs[k])
 
 
+def recover_from_target(target_probs, draft_probs, draft_tokens):
+    """rejection_verify with one bug: after a rejection the token is drawn from the target's
+    distribution, not from the residual norm(max(0, p - q))."""
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return mx.array(0, mx.int32), sample(target_probs[0])
+    rows = mx.arange(k)
+    if draft_probs is None:
+        vocab_ids = mx.arange(target_probs.shape[-1])[None]
+        draft_probs = (vocab_ids == draft_tokens[:, None]).astype(mx.float32)
+    ratio_ok = mx.random.uniform(shape=(k,)) * draft_probs[rows, draft_tokens]
+    accepted = (ratio_ok < target_probs[rows, draft_tokens]).astype(mx.int32)
+    num_accepted = mx.cumprod(accepted).sum()
+    return num_accepted, sample(target_probs[num_accepted])
+
+
 CONFIGS = [
-    SamplingConfig(temperature=1.0),
-    SamplingConfig(temperature=0.7, top_p=0.8),
     SamplingConfig(temperature=1.0, top_k=3),
+    SamplingConfig(temperature=0.7, top_p=0.8),
+    SamplingConfig(temperature=1.0),
 ]
+IDS = ["t1-top_k3", "t0.7-top_p0.8", "t1"]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["t1", "t0.7-top_p0.8", "t1-top_k3"])
-@pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
-def test_two_token_distribution_matches_target(pair, config, kind):
-    """Chi-square goodness of fit of 2000 speculative samples against the exact target
-    distribution (pairs outside its support, e.g. top-k-masked tokens, fail at once)."""
-    model, tok, draft, draft_tok = pair
-
-    def make_drafter():
-        return (
-            DraftModelDrafter(draft, draft_tok) if kind == "draft-model" else RandomOneHotDrafter()
-        )
-
-    samples = sampled_pairs(model, tok, make_drafter, config)
-    assert chisquare_pvalue(samples, exact_two_token_distribution(model, config)) > ALPHA
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("kind", ["draft-model", "one-hot", "random"])
+def test_three_token_distribution_matches_target(pair, config, kind):
+    """Chi-square goodness of fit of 2000 speculative samples (k = 2) against the exact target
+    distribution (sequences outside its support, e.g. top-k-masked tokens, fail at once)."""
+    model, tok = pair[:2]
+    samples = sampled(model, tok, factory(kind, pair), config)
+    assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
-def test_negative_control_wrong_verifier_fails(pair, monkeypatch, kind):
-    """The same test rejects a verifier that accepts every draft."""
-    model, tok, draft, draft_tok = pair
-    monkeypatch.setattr(mlx_spec.decode, "rejection_verify", always_accept)
+def test_power_the_drafters_own_distribution_is_rejected(pair):
+    """The samples of a correct run are far from what the draft model alone would produce:
+    the test can tell the two distributions apart."""
+    model, tok, draft, _ = pair
     config = CONFIGS[0]
+    samples = sampled(model, tok, factory("draft-model", pair), config)
+    assert chisquare_pvalue(samples, exact_distribution(draft, config)) < ALPHA
 
-    def make_drafter():
-        return (
-            DraftModelDrafter(draft, draft_tok) if kind == "draft-model" else RandomOneHotDrafter()
-        )
 
-    samples = sampled_pairs(model, tok, make_drafter, config)
-    assert chisquare_pvalue(samples, exact_two_token_distribution(model, config)) < ALPHA
+@pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
+def test_moving_draft_lengths_keep_the_distribution(pair, kind):
+    """k drawn afresh every round (plain stretches, 1 or 2 drafts), independently of the
+    tokens: still the target's distribution."""
+    model, tok = pair[:2]
+    seeds = iter(range(RUNS))
+    samples = sampled(
+        model,
+        tok,
+        factory(kind, pair),
+        CONFIGS[0],
+        num_draft=lambda: ScriptedPolicy(max_draft=2, seed=next(seeds)),
+    )
+    assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) > ALPHA
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
+def test_adaptive_draft_length_keeps_the_distribution(pair, kind):
+    """The real controller, told to measure plain decoding on the first token only, so that
+    the second and third come from its speculative rounds."""
+    model, tok = pair[:2]
+    samples = sampled(
+        model,
+        tok,
+        factory(kind, pair),
+        CONFIGS[0],
+        num_draft=lambda: AdaptiveDraftLength(2, first_plain=1, prior_accept=0.9),
+    )
+    assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) > ALPHA
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
+@pytest.mark.parametrize("verifier", [always_accept, recover_from_target], ids=["gross", "subtle"])
+def test_negative_controls_fail(pair, monkeypatch, kind, verifier):
+    """The same test rejects a verifier that accepts every draft (gross) and one that recovers
+    from the target's distribution instead of the residual (subtle)."""
+    model, tok = pair[:2]
+    monkeypatch.setattr(mlx_spec.decode, "rejection_verify", verifier)
+    samples = sampled(model, tok, factory(kind, pair), CONFIGS[0])
+    assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) < ALPHA
 
 
 class RecordingDrafter(DraftModelDrafter):

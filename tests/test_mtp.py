@@ -8,20 +8,22 @@ import subprocess
 import sys
 
 import mlx_spec
+import mlx_spec.decode
 from convert import Quantization, convert_checkpoint
 from mlx_spec.drafters.mtp import MTPDrafter, load_mtp_drafter
 from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig, logits_to_probs
+from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
 import mlx.core as mx
 import numpy as np
 import pytest
-from chisquare import chisquare_pvalue
+from chisquare import chisquare_pvalue, exact_sequences, reference_probs
 from conftest import with_eos
 from mlx.nn import RMSNorm
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
+from test_distribution import recover_from_target
 
 WRITERS = {
     "deepseek_v3": lambda p: hfm.write_hf_checkpoint(p, "deepseek_v3", seed=4),
@@ -190,21 +192,10 @@ def test_first_step_follows_published_formula(loaded, converted, family):
     assert isinstance(final, RMSNorm)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_distribution_preserved_with_mtp(loaded, family):
-    """Temperature 1.0: the first two tokens with the MTP drafter follow the target's exact
-    distribution (chi-square, false-positive rate 1e-3)."""
-    model, tok = loaded[family]
-    config = SamplingConfig(temperature=1.0)
-
-    def probs(ids):
-        return np.array(logits_to_probs(model(mx.array([ids]))[0, -1, : hfm.VOCAB], config))
-
-    first = probs(PROMPT)
-    expected = {
-        (a, b): first[a] * p for a in range(first.size) for b, p in enumerate(probs(PROMPT + [a]))
-    }
-    samples = [
+def mtp_samples(model, tok, config: SamplingConfig, runs: int) -> list:
+    """The first three tokens of `runs` seeded generations with the MTP drafter, k = 2 (round
+    one drafts two, so both draft positions, the residual and the bonus token are exercised)."""
+    return [
         tuple(
             mlx_spec.generate(
                 model,
@@ -212,14 +203,42 @@ def test_distribution_preserved_with_mtp(loaded, family):
                 PROMPT,
                 drafter="mtp",
                 num_draft=2,
-                max_tokens=2,
-                temperature=1.0,
+                max_tokens=3,
+                temperature=config.temperature,
+                top_k=config.top_k,
                 seed=s,
             ).tokens
         )
-        for s in range(1500)
+        for s in range(runs)
     ]
-    assert chisquare_pvalue(samples, expected) > 1e-3
+
+
+def exact_three_tokens(model, config: SamplingConfig) -> dict:
+    def next_probs(ids):
+        return reference_probs(np.array(model(mx.array([ids]))[0, -1, : hfm.VOCAB]), config)
+
+    return exact_sequences(next_probs, PROMPT, 3)
+
+
+DIST_CONFIG = SamplingConfig(temperature=1.0, top_k=3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_distribution_preserved_with_mtp(loaded, family):
+    """Temperature 1.0, top-k 3: the first three tokens with the MTP drafter (k = 2) follow the
+    target's exact distribution (chi-square, false-positive rate 1e-3)."""
+    model, tok = loaded[family]
+    samples = mtp_samples(model, tok, DIST_CONFIG, 1500)
+    assert chisquare_pvalue(samples, exact_three_tokens(model, DIST_CONFIG)) > 1e-3
+
+
+def test_mtp_negative_control_fails(loaded, monkeypatch):
+    """The same test rejects a verifier that recovers from the target's distribution instead
+    of the residual."""
+    model, tok = loaded["mimo"]
+    monkeypatch.setattr(mlx_spec.decode, "rejection_verify", recover_from_target)
+    samples = mtp_samples(model, tok, DIST_CONFIG, 1500)
+    assert chisquare_pvalue(samples, exact_three_tokens(model, DIST_CONFIG)) < 1e-3
 
 
 def test_mtp_requested_without_mtp_layers(converted):

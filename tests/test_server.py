@@ -166,7 +166,7 @@ def test_seeded_sampling_is_reproducible_under_interleaving(target, url):
     interleaved with other sampled requests (each seeded request has its own random stream)."""
     model, tok, _ = target
     expected = mlx_spec.generate(
-        model, tok, "abc", drafter="ngram", max_tokens=20, temperature=1.0, seed=7
+        model, tok, "abc", drafter="ngram", num_draft=4, max_tokens=20, temperature=1.0, seed=7
     ).text
 
     async def run():

@@ -162,14 +162,16 @@ def test_plain_turn_between_speculative_turns(loaded, kind):
 
 
 def test_sampled_turns_follow_the_seed(loaded):
-    """At temperature 1 a session's turn with a seed equals a fresh run with the same seed."""
+    """At temperature 1 a session's turn with a seed equals a fresh run with the same seed (a
+    fixed k: with "auto" the draft lengths, and so the draws, follow measured timings)."""
     entry = no_eos(loaded["llama"])
     model, tok = entry[:2]
-    session = Session(model, tok, drafter=make_drafter("draft-model", "llama", entry))
+    drafter = make_drafter("draft-model", "llama", entry)
+    session = Session(model, tok, drafter=drafter, num_draft=4)
     first = session.generate(PROMPT, max_tokens=N, temperature=1.0, seed=3)
     prompt = tok.encode(PROMPT) + first.tokens + encode(tok, NEW)
     second = session.generate(prompt, max_tokens=N, temperature=1.0, seed=4)
-    expected = fresh(entry, "llama", "draft-model", prompt, temperature=1.0, seed=4)
+    expected = fresh(entry, "llama", "draft-model", prompt, temperature=1.0, seed=4, num_draft=4)
     assert second.tokens == expected
     assert second.stats.cached_tokens > len(tok.encode(PROMPT))
 

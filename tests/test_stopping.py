@@ -171,7 +171,12 @@ def stop_candidate(entry):
     for prompt in PROMPTS:
         tokens, segments = plain(entry, prompt)
         chunks, _ = run_stream(
-            model, tok, prompt, drafter=make_drafter("self", entry), max_tokens=PLAIN_LEN
+            model,
+            tok,
+            prompt,
+            drafter=make_drafter("self", entry),
+            num_draft=K,
+            max_tokens=PLAIN_LEN,
         )
         text = "".join(segments)
         for p in range(4, PLAIN_LEN - K - 2):

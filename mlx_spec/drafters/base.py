@@ -37,6 +37,14 @@ class Drafter(ABC):
     # True: `begin` and `accept` receive the target's final hidden states (the head's input).
     needs_hidden: bool = False
 
+    @property
+    def arm_names(self) -> list[str]:
+        """The drafters a policy can choose between (one, except for a `DrafterGroup`)."""
+        return [self.name]
+
+    def select(self, arm: int) -> None:  # noqa: B027
+        """Draft the next round with drafter `arm` of `arm_names` (a group switches)."""
+
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:  # noqa: B027
         """Raise ValueError if this drafter cannot serve this target and tokenizer."""
 

@@ -1,0 +1,246 @@
+"""Choosing each round's draft length (and drafter) from measured costs and acceptance.
+
+A policy is asked before every round for a `Choice` and told what the round did. It never
+reads models or tokens' values: the choice depends only on earlier rounds, so it cannot bias
+the verification of the round it picks (any draft length keeps the output distribution).
+
+`AdaptiveDraftLength` keeps, per drafter (arm), running estimates of the probability that draft
+position i is kept given that the ones before it were, the drafter's cost per draft token and
+the target's cost of verifying j drafts, all measured in the running generation. Each round it
+picks the k in 1..K (and the arm) that maximises expected tokens per second,
+E(k) / (k c + v(k)), with E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i, and compares it with plain
+decoding (1 / the measured plain step time). When plain decoding wins it asks for a stretch of
+plain steps and probes speculation again after it, at doubling intervals while it keeps losing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the next round does.
+
+    Attributes:
+        arm: which drafter drafts (its index in the drafter group; 0 for a single drafter).
+        num_draft: draft tokens asked for (k); 0 with `plain_tokens` 0 is a round without drafts.
+        plain_tokens: > 0: decode this many tokens plainly (pipelined) before asking again.
+    """
+
+    arm: int = 0
+    num_draft: int = 0
+    plain_tokens: int = 0
+
+
+class DraftPolicy:
+    """Base: a policy that always drafts `num_draft` tokens with arm 0."""
+
+    # True: the loop times drafting and verification apart (a synchronisation after drafting).
+    timed = False
+    max_draft = 0  # the longest draft it may ask for
+
+    def choose(self, limit: int) -> Choice:
+        """The next round's choice; `limit` caps k (output budget and context)."""
+        raise NotImplementedError
+
+    def observe_round(
+        self, arm: int, asked: int, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
+        """A speculative round: `asked` drafts requested, `drafted` returned, `accepted` kept;
+        seconds spent drafting and verifying (target pass, verification and rollback)."""
+
+    def observe_plain(self, tokens: int, seconds: float) -> None:
+        """A stretch of `tokens` plain decoding steps took `seconds` in all."""
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class FixedDraftLength(DraftPolicy):
+    """k drafts every round (fewer where the budget ends): mlx-spec's behaviour before
+    adaptive draft lengths, for `num_draft=<int>`."""
+
+    def __init__(self, num_draft: int):
+        self.num_draft = self.max_draft = num_draft
+
+    def choose(self, limit: int) -> Choice:
+        return Choice(0, min(self.num_draft, limit))
+
+    def describe(self) -> str:
+        return str(self.num_draft)
+
+
+@dataclass
+class _Arm:
+    """Running estimates for one drafter."""
+
+    hits: list[float]  # per draft position: decayed count of rounds that kept it
+    trials: list[float]  # ... that reached it (the drafts before it were kept)
+    cost: float | None = None  # seconds per draft token asked for
+    fill: float = 1.0  # drafted / asked (a lookup drafter may find fewer than asked)
+
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+class AdaptiveDraftLength(DraftPolicy):
+    """Online choice of k in 0..max_draft (and of the drafter) from measured costs.
+
+    Args:
+        max_draft: K, the longest draft considered.
+        arms: how many drafters the group offers.
+        fixed: a fixed k (only the drafter is chosen; no plain stretches).
+        prior_accept: acceptance assumed at the first position before anything is measured
+            (deeper positions assume the estimate of the position before them).
+        prior_weight: pseudo-rounds behind the prior.
+        decay: each observed round multiplies the arm's counts by this (recent rounds count more).
+        idle_decay: every round multiplies the counts of the other arms by this, so a drafter
+            that lost long ago is tried again.
+        alpha: weight of a new timing in the running averages.
+        margin: speculation must promise this much more than plain decoding to be chosen.
+        first_plain: plain steps that start a generation (they measure the plain step).
+        refresh_every: after this many speculative rounds without plain steps, a stretch of
+            `first_plain` plain steps measures the plain step again (the machine's load and the
+            context length change it).
+        probe_min, probe_max: plain steps before speculation is probed again; the interval
+            doubles after each probe that does not win, up to probe_max.
+    """
+
+    timed = True
+
+    def __init__(
+        self,
+        max_draft: int = 8,
+        arms: int = 1,
+        *,
+        fixed: int | None = None,
+        prior_accept: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.97,
+        idle_decay: float = 0.995,
+        alpha: float = 0.15,
+        margin: float = 0.03,
+        first_plain: int = 4,
+        refresh_every: int = 64,
+        probe_min: int = 8,
+        probe_max: int = 128,
+    ):
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+        self.max_draft = max_draft
+        self.fixed = fixed
+        self.arms = [_Arm([0.0] * max_draft, [0.0] * max_draft) for _ in range(arms)]
+        self.prior_accept, self.prior_weight = prior_accept, prior_weight
+        self.decay, self.idle_decay, self.alpha, self.margin = decay, idle_decay, alpha, margin
+        self.first_plain, self.refresh_every = first_plain, refresh_every
+        self.probe_min, self.probe_max = probe_min, probe_max
+        self.verify: dict[int, float] = {}  # drafts verified -> seconds per round
+        self.plain: float | None = None  # seconds per plain step
+        self._since_spec = 0  # plain steps since the last speculative round
+        self._probe_every = probe_min
+        self._rounds_since_plain = 0
+
+    # --- estimates ---------------------------------------------------------------------------
+
+    def acceptance(self, arm: int) -> list[float]:
+        """Estimated P(position i kept | positions before it kept), i = 0..K-1."""
+        a = self.arms[arm]
+        out, prior = [], self.prior_accept
+        for hits, trials in zip(a.hits, a.trials, strict=True):
+            prior = (hits + self.prior_weight * prior) / (trials + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def expected_tokens(self, arm: int, k: int) -> float:
+        """E(k): tokens a round with k drafts emits, the recovered or bonus token included."""
+        total, keep = 1.0, 1.0
+        for a in self.acceptance(arm)[:k]:
+            keep *= a
+            total += keep
+        return total
+
+    def verify_seconds(self, drafts: float) -> float:
+        """v(drafts): a round's target pass over drafts + 1 tokens, verification and rollback;
+        interpolated between measured draft counts, extrapolated linearly beyond them."""
+        plain = self.plain or 1.0
+        floor = 0.02 * plain  # per extra token: a pass never gets cheaper with more tokens
+        known = sorted(self.verify.items())
+        if not known:
+            return plain * (1.05 + 0.1 * drafts)
+        if len(known) == 1:
+            return known[0][1] + 0.1 * plain * (drafts - known[0][0])
+        i = 1
+        while i < len(known) - 1 and known[i][0] < drafts:
+            i += 1
+        (k0, v0), (k1, v1) = known[i - 1], known[i]
+        slope = (v1 - v0) / (k1 - k0)
+        if k0 <= drafts <= k1:
+            return v0 + slope * (drafts - k0)
+        slope = max(slope, floor)
+        return v1 + slope * (drafts - k1) if drafts > k1 else max(0.0, v0 + slope * (drafts - k0))
+
+    def round_seconds(self, arm: int, k: int) -> float:
+        """Predicted seconds of a round asking `arm` for k drafts."""
+        a = self.arms[arm]
+        cost = a.cost if a.cost is not None else 0.2 * (self.plain or 1.0)
+        return k * cost + self.verify_seconds(k * a.fill)
+
+    def rate(self, arm: int, k: int) -> float:
+        """Predicted tokens per second of rounds asking `arm` for k drafts."""
+        return self.expected_tokens(arm, k) / self.round_seconds(arm, k)
+
+    # --- choice ------------------------------------------------------------------------------
+
+    def _best(self, limit: int) -> tuple[float, int, int]:
+        ks = [min(self.fixed, limit)] if self.fixed is not None else range(1, limit + 1)
+        return max((self.rate(arm, k), arm, k) for arm in range(len(self.arms)) for k in ks)
+
+    def choose(self, limit: int) -> Choice:
+        limit = min(limit, self.max_draft)
+        if self.fixed is not None:
+            return Choice(self._best(limit)[1], min(self.fixed, limit)) if limit else Choice()
+        if self.plain is None or self._rounds_since_plain >= self.refresh_every:
+            return Choice(plain_tokens=self.first_plain)
+        if limit <= 0:
+            return Choice(plain_tokens=1)
+        rate, arm, k = self._best(limit)
+        if rate * self.plain > 1 + self.margin:
+            self._since_spec, self._probe_every = 0, self.probe_min
+            return Choice(arm, k)
+        if self._since_spec >= self._probe_every:  # probe: it may win now
+            self._since_spec = 0
+            self._probe_every = min(2 * self._probe_every, self.probe_max)
+            return Choice(arm, k)
+        return Choice(plain_tokens=self._probe_every - self._since_spec)
+
+    # --- observations ------------------------------------------------------------------------
+
+    def observe_round(
+        self, arm: int, asked: int, drafted: int, accepted: int, draft_s: float, verify_s: float
+    ) -> None:
+        if asked <= 0:
+            return
+        self._rounds_since_plain += 1
+        for i, other in enumerate(self.arms):
+            factor = self.decay if i == arm else self.idle_decay
+            other.hits = [h * factor for h in other.hits]
+            other.trials = [t * factor for t in other.trials]
+        a = self.arms[arm]
+        # Positions past `drafted` were asked for but not proposed: they count as rejected.
+        for i in range(min(accepted + 1, asked)):
+            a.trials[i] += 1.0
+            a.hits[i] += float(i < accepted)
+        a.cost = _ema(a.cost, draft_s / asked, self.alpha)
+        a.fill = _ema(a.fill, drafted / asked, self.alpha)
+        self.verify[drafted] = _ema(self.verify.get(drafted), verify_s, self.alpha)
+
+    def observe_plain(self, tokens: int, seconds: float) -> None:
+        weight = min(1.0, self.alpha * tokens)  # a long stretch counts as several samples
+        self.plain = _ema(self.plain, seconds / tokens, weight)
+        self._since_spec += tokens
+        self._rounds_since_plain = 0
+
+    def describe(self) -> str:
+        return f"auto (1-{self.max_draft})" if self.fixed is None else str(self.fixed)

@@ -1,0 +1,155 @@
+"""The draft-length policy on its own: fed synthetic rounds with known acceptance and costs, it
+settles where the cost model says it should, within a bounded number of rounds."""
+
+from __future__ import annotations
+
+import random
+
+from mlx_spec.policy import AdaptiveDraftLength, Choice, FixedDraftLength
+
+import pytest
+
+PLAIN = 0.010  # seconds per plain step
+
+
+def verify_cost(drafts: int, slope: float = 0.1) -> float:
+    """A target pass over drafts + 1 tokens: a plain step plus `slope` of one per extra token."""
+    return PLAIN * (1.05 + slope * drafts)
+
+
+def simulate(policy, accept_prob, draft_cost, rounds: int, seed: int = 0, slope: float = 0.1):
+    """Drive `policy` for `rounds` choices; arm a's drafts are each kept with probability
+    `accept_prob[a]` and cost `draft_cost[a]` seconds. Returns the choices made."""
+    rng = random.Random(seed)
+    choices = []
+    for _ in range(rounds):
+        choice = policy.choose(limit=64)
+        choices.append(choice)
+        if choice.plain_tokens:
+            policy.observe_plain(choice.plain_tokens, choice.plain_tokens * PLAIN)
+            continue
+        k, arm = choice.num_draft, choice.arm
+        accepted = 0
+        while accepted < k and rng.random() < accept_prob[arm]:
+            accepted += 1
+        policy.observe_round(arm, k, k, accepted, k * draft_cost[arm], verify_cost(k, slope))
+    return choices
+
+
+def test_fixed_draft_length_is_exactly_k():
+    policy = FixedDraftLength(4)
+    assert policy.choose(10) == Choice(0, 4)
+    assert policy.choose(2) == Choice(0, 2)  # the output budget caps it
+    assert policy.choose(0) == Choice(0, 0)
+
+
+def test_first_choice_measures_plain_decoding():
+    assert AdaptiveDraftLength(8).choose(8).plain_tokens > 0
+
+
+def test_always_right_cheap_drafter_settles_on_k_max():
+    """A drafter that is always right and costs 2% of a plain step: k = K within 30 choices,
+    and K from then on (but for the periodic plain-step measurement)."""
+    policy = AdaptiveDraftLength(8)
+    choices = simulate(policy, [1.0], [0.02 * PLAIN], rounds=120)
+    first = next(i for i, c in enumerate(choices) if c.num_draft == 8)
+    assert first < 30
+    later = [c for c in choices[first:] if not c.plain_tokens]
+    assert all(c.num_draft == 8 for c in later)
+    plain = sum(c.plain_tokens for c in choices[first:])
+    assert plain <= 2 * policy.first_plain  # refreshes only
+
+
+def test_never_right_drafter_settles_on_plain_decoding():
+    """A drafter that is never right: plain decoding within 5 choices; afterwards one probe
+    round after each plain stretch, the stretches doubling up to probe_max tokens."""
+    policy = AdaptiveDraftLength(8)
+    choices = simulate(policy, [0.0], [0.2 * PLAIN], rounds=60)
+    first = next(i for i, c in enumerate(choices) if c.plain_tokens and i > 0)
+    assert first < 5
+    stretches = [c.plain_tokens for c in choices[first:] if c.plain_tokens]
+    assert stretches[:5] == [8, 16, 32, 64, 128]
+    assert set(stretches[5:]) == {policy.probe_max}
+    probes = [c for c in choices[first:] if not c.plain_tokens]
+    assert all(c.num_draft == 1 for c in probes)
+    assert len(probes) <= len(stretches)
+
+
+def test_a_drafter_that_starts_winning_is_picked_up():
+    """Never right for 40 choices, then always right: speculation resumes after a probe."""
+    policy = AdaptiveDraftLength(4)
+    simulate(policy, [0.0], [0.05 * PLAIN], rounds=40)
+    choices = simulate(policy, [1.0], [0.05 * PLAIN], rounds=40, seed=1)
+    assert sum(1 for c in choices[-10:] if c.num_draft == 4) >= 8
+
+
+def test_k_follows_the_cost_of_verification():
+    """Acceptance 0.7 per position: with verification nearly free (memory-bound) a long draft
+    pays; when each verified token costs half a plain step (compute-bound), a short one."""
+    cheap = AdaptiveDraftLength(8)
+    simulate(cheap, [0.7], [0.05 * PLAIN], rounds=300, slope=0.01)
+    dear = AdaptiveDraftLength(8)
+    simulate(dear, [0.7], [0.05 * PLAIN], rounds=300, slope=0.5)
+    k_cheap = cheap.choose(64).num_draft
+    k_dear = dear.choose(64).num_draft
+    assert k_cheap >= 4 and k_dear <= 2, (k_cheap, k_dear)
+
+
+def test_the_better_drafter_is_chosen():
+    """Two drafters of equal cost, acceptance 0.2 and 0.9: after 100 choices the better one
+    drafts nearly every round."""
+    policy = AdaptiveDraftLength(8, arms=2)
+    choices = simulate(policy, [0.2, 0.9], [0.1 * PLAIN, 0.1 * PLAIN], rounds=100)
+    late = [c.arm for c in choices[-30:] if not c.plain_tokens]
+    assert late and late.count(1) >= 0.9 * len(late)
+
+
+def test_a_costly_drafter_loses_to_a_free_one():
+    """Equal acceptance 0.6; one drafter costs as much as the target, the other nothing."""
+    policy = AdaptiveDraftLength(8, arms=2)
+    choices = simulate(policy, [0.6, 0.6], [1.0 * PLAIN, 0.0], rounds=100)
+    late = [c.arm for c in choices[-30:] if not c.plain_tokens]
+    assert late and late.count(1) >= 0.9 * len(late)
+
+
+def test_fixed_k_with_several_drafters_only_picks_the_drafter():
+    policy = AdaptiveDraftLength(3, arms=2, fixed=3)
+    choices = simulate(policy, [0.1, 0.8], [0.1 * PLAIN] * 2, rounds=60)
+    assert all(c.num_draft == 3 and not c.plain_tokens for c in choices)
+    assert [c.arm for c in choices[-20:]].count(1) >= 18
+
+
+def test_acceptance_estimates_and_expected_tokens():
+    """Position estimates follow the kept/reached counts; E(k) is 1 + sum of products."""
+    policy = AdaptiveDraftLength(3, prior_weight=1e-9, decay=1.0)
+    for accepted in (3, 3, 1, 0):  # position 1 reached 4 times, kept 3; position 2: 3 of 3 ...
+        policy.observe_round(0, 3, 3, accepted, 0.0, PLAIN)
+    a = policy.acceptance(0)
+    assert a == pytest.approx([0.75, 2 / 3, 1.0], abs=1e-6)
+    assert policy.expected_tokens(0, 3) == pytest.approx(1 + 0.75 + 0.5 + 0.5, abs=1e-6)
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    policy = AdaptiveDraftLength(8, alpha=1.0)
+    policy.observe_plain(4, 4 * PLAIN)
+    for k, seconds in ((1, 0.011), (3, 0.013)):
+        policy.observe_round(0, k, k, 0, 0.0, seconds)
+    assert policy.verify_seconds(2) == pytest.approx(0.012)
+    assert policy.verify_seconds(5) == pytest.approx(0.015)
+    assert policy.verify_seconds(0) == pytest.approx(0.010)
+
+
+def test_fewer_drafts_than_asked_count_as_rejections():
+    """A lookup drafter that finds nothing half the time: the first position's estimate is
+    the chance of a kept draft, not the acceptance of the drafts it found."""
+    policy = AdaptiveDraftLength(4, prior_weight=1e-9, decay=1.0)
+    for _ in range(10):
+        policy.observe_round(0, 2, 2, 2, 0.0, PLAIN)
+        policy.observe_round(0, 2, 0, 0, 0.0, PLAIN)
+    assert policy.acceptance(0)[0] == pytest.approx(0.5)
+    assert policy.arms[0].fill < 1.0
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="max_draft"):
+        AdaptiveDraftLength(0)
