@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +80,8 @@ def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module
 
     local = _local_dir(_resolve_path(path_or_hub_id), revision)
     try:
-        model, tokenizer = mlx_lm_load(str(local))
+        with quiet_transformers():
+            model, tokenizer = mlx_lm_load(str(local))
     except (FileNotFoundError, ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
     if mx.default_device() == mx.cpu:
@@ -89,6 +92,26 @@ def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module
 
 
 SOURCE_ATTR = "_mlx_spec_source"
+
+
+@contextmanager
+def quiet_transformers():
+    """Silence transformers' notices while mlx-lm reads a tokenizer and config through it
+    (model-type mismatches between the MLX config and transformers' classes, deprecated
+    config keys such as `rope_scaling`): they concern transformers' models, not this run."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers comes with mlx-lm
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _local_dir(source: str, revision: str | None) -> Path:

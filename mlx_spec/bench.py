@@ -102,6 +102,7 @@ from mlx_spec import _blas, embedded
 from mlx_spec.api import SOURCE_ATTR, encode_prompt
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.mtp import MTP_DIR
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.runner import ModelRunner, context_limit
@@ -113,8 +114,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 PLAIN, DRAFT_MODEL, NGRAM, MTP, PEER = "plain", "draft-model", "ngram", "mtp", "mlx-lm"
-MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, PEER)
-SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP)
+ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
+MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, ALL, PEER)
+SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, ALL)
+AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
 
 
@@ -133,6 +136,9 @@ class BenchConfig:
         num_prompts: use only the first N prompts (None: all).
         modes: modes to run (None: every mode the models allow).
         num_draft: the k sweep for speculative modes.
+        auto: also run each speculative mode with num_draft="auto" (k chosen every round in
+            0..max_draft), and all drafters as one group (mode "all").
+        max_draft: K for the auto rows.
         temperatures: sampling temperatures (0 = greedy).
         max_tokens: tokens generated per prompt.
         repeats: measured repeats (medians are reported).
@@ -149,6 +155,8 @@ class BenchConfig:
     num_prompts: int | None = None
     modes: tuple[str, ...] | None = None
     num_draft: tuple[int, ...] = (1, 2, 4, 8)
+    auto: bool = True
+    max_draft: int = 8
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_tokens: int = 128
     repeats: int = 3
@@ -181,6 +189,8 @@ class BenchConfig:
                 f"max_tokens must be >= 2 (k + 1) = {2 * (max(self.num_draft) + 1)} for the "
                 f"largest k, so that rounds follow the first; got {self.max_tokens}"
             )
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         unknown = [m for m in self.modes or () if m not in MODES]
@@ -334,8 +344,10 @@ def _settle() -> None:
     gc.collect()
 
 
-def run_mlx_spec(model, tokenizer, ids, drafter, k, temperature, max_tokens, seed) -> Run:
-    """One mlx-spec generation, timed from its stream."""
+def run_mlx_spec(
+    model, tokenizer, ids, drafter, k, temperature, max_tokens, seed, max_draft: int = 8
+) -> Run:
+    """One mlx-spec generation, timed from its stream (k: an integer or "auto")."""
     _settle()
     mx.reset_peak_memory()
     tokens, stamps, flags, stats = [], [], [], None
@@ -346,6 +358,7 @@ def run_mlx_spec(model, tokenizer, ids, drafter, k, temperature, max_tokens, see
         ids,
         drafter=drafter,
         num_draft=k,
+        max_draft=max_draft,
         temperature=temperature,
         max_tokens=max_tokens,
         seed=seed,
@@ -424,6 +437,16 @@ class TimedDrafter(Drafter):
     @property
     def runner(self):
         return getattr(self.inner, "runner", None)
+
+    @property
+    def arm_names(self) -> list[str]:
+        return self.inner.arm_names
+
+    def select(self, arm: int) -> None:
+        self.inner.select(arm)
+
+    def catch_up(self) -> None:
+        self.inner.catch_up()
 
     def check_compatible(self, target, tokenizer, vocab_size: int) -> None:
         self.inner.check_compatible(target, tokenizer, vocab_size)
@@ -541,7 +564,11 @@ def analytic_curve(report: BenchReport, mode: str, temperature: float) -> list[t
     configuration of `mode` with the largest k K: its acceptance by position (E(k) = 1 +
     sum_{i<k} a_i / d_i), its drafter cost c, and each k's measured v_k. It assumes every round
     drafts k tokens (true of draft models and MTP heads; n-gram lookups may draft fewer)."""
-    rows = [r for r in report.select(mode, temperature) if r.draft_cost is not None]
+    rows = [
+        r
+        for r in report.select(mode, temperature)
+        if r.draft_cost is not None and isinstance(r.num_draft, int)
+    ]
     if not rows:
         return []
     ref = max(rows, key=lambda r: r.num_draft)
@@ -563,7 +590,7 @@ class BenchResult:
 
     mode: str
     library: str
-    num_draft: int
+    num_draft: int | str
     temperature: float
     tokens_per_sec: float
     tokens_per_sec_runs: list[float]
@@ -586,6 +613,9 @@ class BenchResult:
     predicted_speedup: float | None
     realized_over_predicted: float | None
     vs_mlx_lm: float | None = None
+    vs_best_fixed_k: float | None = None
+    k_histogram: dict[str, int] = field(default_factory=dict)
+    drafter_rounds: dict[str, int] = field(default_factory=dict)
     matches_plain: bool | None = None
     generations: int = 0
     stats: SpecStats | None = field(default=None, repr=False)
@@ -606,6 +636,16 @@ class BenchResult:
             out["target_passes"] = stats["target_passes"]
             out["generated_tokens"] = stats["generated_tokens"]
         return out
+
+
+def k_shares(r: BenchResult) -> str:
+    """'0:40% 2:35% 4:25%' (k = 0: plain steps), and the group's rounds by drafter."""
+    total = sum(r.k_histogram.values())
+    text = " ".join(f"{k}:{n / total:.0%}" for k, n in r.k_histogram.items()) if total else "-"
+    if r.mode == ALL and r.drafter_rounds:
+        rounds = sum(r.drafter_rounds.values())
+        text += " (" + ", ".join(f"{d} {n / rounds:.0%}" for d, n in r.drafter_rounds.items()) + ")"
+    return text
 
 
 def _median(values: Sequence[float]) -> float:
@@ -680,6 +720,17 @@ class BenchReport:
                 }
         if versus:
             out["vs_mlx_lm"] = versus
+        auto = [r for r in self.results if r.num_draft == AUTO]
+        if auto:
+            out["auto"] = [
+                {
+                    "mode": r.mode,
+                    "temperature": r.temperature,
+                    "speedup": r.speedup,
+                    "vs_best_fixed_k": r.vs_best_fixed_k,
+                }
+                for r in auto
+            ]
         differ = [
             r.label + f" T={r.temperature:g}" for r in self.results if r.matches_plain is False
         ]
@@ -726,9 +777,9 @@ class BenchReport:
             "",
             "| mode | k | T | tok/s | speedup | bound | realized/bound | acceptance | by position "
             "| mean acc. len | passes/token | latency p50/p95 ms | TTFT ms | prefill tok/s "
-            "| peak MB | rollback |",
+            "| peak MB | rollback | k chosen (share of rounds) |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: "
-            "| ---: | ---: | ---: | ---: |",
+            "| ---: | ---: | ---: | ---: | --- |",
         ]
         for r in self.results:
             positions = " ".join(f"{a:.2f}" for a in r.acceptance_by_position) or "-"
@@ -739,7 +790,8 @@ class BenchReport:
                 f"| {_fmt(r.realized_over_predicted)} | {_fmt(r.acceptance_rate)} | {positions} "
                 f"| {r.mean_accepted_length:.2f} | {r.target_passes_per_token:.2f} "
                 f"| {r.latency_p50_ms:.2f} / {r.latency_p95_ms:.2f} | {r.ttft_ms:.1f} "
-                f"| {r.prefill_tokens_per_sec:.0f} | {r.peak_memory_mb:.0f} | {rollback} |"
+                f"| {r.prefill_tokens_per_sec:.0f} | {r.peak_memory_mb:.0f} | {rollback} "
+                f"| {k_shares(r) if r.num_draft == AUTO else '-'} |"
             )
         peer_rows = [r for r in self.results if r.mode == DRAFT_MODEL and r.vs_mlx_lm]
         if peer_rows:
@@ -786,6 +838,11 @@ class BenchReport:
     def _summary_lines(self) -> list[str]:
         s = self.summary()
         out = []
+        for a in s.get("auto", []):
+            out.append(
+                f"auto, {a['mode']} T={a['temperature']:g}: {a['speedup']:.2f}x plain, "
+                f"{_fmt(a['vs_best_fixed_k'], '.2f', 'x')} the best fixed k."
+            )
         if "best_greedy" in s:
             b = s["best_greedy"]
             out.append(
@@ -851,6 +908,11 @@ def model_dtype(model) -> str:
     return ", ".join(d.replace("mlx.core.", "") for d in dtypes)
 
 
+def longest_draft(config: BenchConfig) -> int:
+    """The most drafts any configuration of the run may verify in one pass."""
+    return max(max(config.num_draft), config.max_draft if config.auto else 0)
+
+
 def _wants(config: BenchConfig, mode: str) -> bool:
     return config.modes is None or mode in config.modes
 
@@ -899,7 +961,7 @@ def _prompts(config: BenchConfig, tokenizer, vocab: int, limits: list[int]) -> l
     prompts = prompts[: config.num_prompts]
     room = min(limits) if limits else None
     for p in prompts:
-        if room is not None and len(p.ids) + config.max_tokens + max(config.num_draft) >= room:
+        if room is not None and len(p.ids) + config.max_tokens + longest_draft(config) >= room:
             raise ValueError(
                 f"prompt {p.label} has {len(p.ids)} tokens: with max_tokens "
                 f"{config.max_tokens} it does not fit the context of {room} tokens"
@@ -913,19 +975,31 @@ def _prompts(config: BenchConfig, tokenizer, vocab: int, limits: list[int]) -> l
 @dataclass
 class _Setting:
     mode: str
-    num_draft: int
+    num_draft: int | str
     temperature: float
     drafter: Drafter | None = None
+    max_draft: int = 8
+
+
+def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
+    """{mode: drafter} of every speculative mode this run has (the group when auto rows run
+    and there are two drafters or more)."""
+    single = {DRAFT_MODEL: loaded.draft, NGRAM: NgramDrafter(), MTP: loaded.mtp}
+    out = {m: d for m, d in single.items() if d is not None and _wants(config, m)}
+    if config.auto and len(out) > 1 and (config.modes is None or ALL in config.modes):
+        out[ALL] = DrafterGroup(list(out.values()))
+    return out
 
 
 def _settings(config: BenchConfig, loaded: _Loaded, peer_ok: bool) -> list[_Setting]:
-    drafters = {DRAFT_MODEL: loaded.draft, NGRAM: NgramDrafter(), MTP: loaded.mtp}
+    drafters = _drafters(config, loaded)
     out = []
     for t in config.temperatures:
         out.append(_Setting(PLAIN, 0, t))  # the baseline, always
-        for mode in SPEC_MODES:
-            if _wants(config, mode) and drafters[mode] is not None:
-                out += [_Setting(mode, k, t, drafters[mode]) for k in config.num_draft]
+        for mode, drafter in drafters.items():
+            ks = [] if mode == ALL else list(config.num_draft)
+            ks += [AUTO] if config.auto else []
+            out += [_Setting(mode, k, t, drafter, config.max_draft) for k in ks]
         if peer_ok:
             out += [_Setting(PEER, k, t) for k in config.num_draft]
     return out
@@ -975,6 +1049,7 @@ def _generate_once(loaded: _Loaded, s: _Setting, ids, max_tokens, seed, drafter)
         s.temperature,
         max_tokens,
         seed,
+        s.max_draft,
     )
 
 
@@ -1040,8 +1115,8 @@ def _run(config: BenchConfig, loaded: _Loaded, say: Callable[[str], None]) -> Be
         _generate(loaded, s, first, config.max_tokens, config.seed)
     cost_context = round(statistics.mean(len(p.ids) for p in prompts) + config.max_tokens / 2)
     if limits:
-        cost_context = min(cost_context, min(limits) - max(config.num_draft) - 2)
-    sizes = range(1, max(config.num_draft) + 2)
+        cost_context = min(cost_context, min(limits) - longest_draft(config) - 2)
+    sizes = range(1, longest_draft(config) + 2)
     passes = PassTimer(loaded.model, vocab, first, cost_context, sizes, config.temperatures)
     timed = {i: TimedDrafter(s.drafter) for i, s in enumerate(settings) if s.mode in SPEC_MODES}
     micro = [config.micro_repeats // config.repeats] * config.repeats
@@ -1133,6 +1208,8 @@ def _result(s: _Setting, runs: list[list[Run]], timed: TimedDrafter | None) -> B
         predicted_speedup=None,
         realized_over_predicted=None,
         generations=len(flat),
+        k_histogram={str(k): n for k, n in sorted(stats.k_histogram.items())},
+        drafter_rounds=dict(stats.drafter_rounds),
         stats=stats,
         latencies_ms=[x * 1e3 for rep in by_repeat for x in rep],
     )
@@ -1176,6 +1253,11 @@ def _relate(results: list[BenchResult], runs: dict, settings: list[_Setting], st
         if t == 0 and t in plain_tokens:
             tokens = [run.tokens for rep in runs[i] for run in rep]
             r.matches_plain = tokens == plain_tokens[t]
+    for r in results:
+        fixed = [x for x in results if (x.mode, x.temperature) == (r.mode, r.temperature)]
+        fixed = [x.tokens_per_sec for x in fixed if isinstance(x.num_draft, int)]
+        if r.num_draft == AUTO and fixed and max(fixed):
+            r.vs_best_fixed_k = r.tokens_per_sec / max(fixed)
     return {
         "plain_step_ms": {str(t): u * 1e3 for t, u in unit.items()},
         "target_pass_ms": {

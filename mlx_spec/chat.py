@@ -65,6 +65,8 @@ def stats_line(stats: SpecStats | None) -> str:
             f"; drafter {stats.drafter} k={stats.num_draft}: acceptance "
             f"{stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}"
         )
+        if stats.num_draft == "auto":
+            line += f" ({stats.choices_line()})"
     line += (
         f"; prompt {stats.prompt_tokens} tokens: {stats.cached_tokens} cached, "
         f"{stats.prefilled_tokens} prefilled"

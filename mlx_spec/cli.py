@@ -32,9 +32,9 @@ def _add_generate(sub) -> None:
     )
     p.add_argument(
         "--model",
-        help="target: MLX model directory or hub id (default: the "
-        "embedded demo pair with --compare on, drafting with n-gram lookup when greedy and "
-        "its MTP head when sampling)",
+        help="target: MLX model directory or hub id (default: the embedded demo pair with "
+        "--compare on, offering n-gram lookup, its draft model and its MTP head: each round "
+        "drafts with the one measured fastest so far)",
     )
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     _add_drafter_flags(p)
@@ -56,6 +56,9 @@ def _add_generate(sub) -> None:
 
 
 def _drafter(args, model):
+    if getattr(args, "all_drafters", None):  # the embedded pair: n-gram, draft model, MTP head
+        (draft,) = args.all_drafters
+        return ["ngram", mlx_spec.load_drafter(draft), "mtp"]
     if args.ngram:
         return "ngram"
     if args.mtp is not None:
@@ -68,17 +71,14 @@ def _drafter(args, model):
 
 
 def _demo_defaults(args) -> None:
-    """No --model: the embedded pair, converted on first use, with the drafter `mlx-spec bench`
-    measures fastest on it: n-gram lookup when greedy, its MTP head when sampling."""
+    """No --model: the embedded pair, converted on first use; without a drafter flag all three
+    of its drafters are offered and chosen between online (`args.all_drafters`)."""
     from mlx_spec.embedded import converted_pair
 
     target, draft = converted_pair()
     args.model, args.compare = str(target), True
     if not (args.ngram or args.draft_model or args.mtp is not None or args.assistant):
-        if args.temp == 0:
-            args.ngram = True
-        else:
-            args.mtp = ""
+        args.all_drafters = [str(draft)]
     if args.draft_model == "embedded":
         args.draft_model = str(draft)
 
@@ -96,6 +96,7 @@ def cmd_generate(args) -> int:
         prompt,
         drafter=drafter,
         num_draft=args.num_draft,
+        max_draft=args.max_draft,
         temperature=args.temp,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -126,7 +127,7 @@ def cmd_generate(args) -> int:
         print(json.dumps(record))
     else:
         print()
-        print(_summary(stats), file=sys.stderr)
+        print(_summary(stats, last.stats.choices_line()), file=sys.stderr)
     return 0
 
 
@@ -148,7 +149,7 @@ def _speedup(args, model, tokenizer, prompt, stats: dict) -> float:
     return stats["decode_tokens_per_sec"] / rate if rate else 0.0
 
 
-def _summary(stats: dict) -> str:
+def _summary(stats: dict, choices: str) -> str:
     line = (
         f"[{stats['generated_tokens']} tokens, {stats['decode_tokens_per_sec']:.1f} tok/s, "
         f"prefill {stats['prefill_tokens_per_sec']:.1f} tok/s"
@@ -159,6 +160,8 @@ def _summary(stats: dict) -> str:
             f"{stats['acceptance_rate']:.2f}, mean accepted length "
             f"{stats['mean_accepted_length']:.2f}"
         )
+        if stats["num_draft"] == "auto":
+            line += f"; {choices}"
     if "speedup" in stats:
         line += f", speedup {stats['speedup']:.2f}x over plain decoding"
     return line + "]"
@@ -348,8 +351,9 @@ def _add_bench(sub) -> None:
         "bench",
         help="measure tokens/s of every decoding mode, with mlx-lm's speculative decoding beside",
         description="A/B benchmark: plain decoding, each drafter (draft model, n-gram, MTP) over "
-        "a sweep of k, greedy and temperature 1.0, and mlx-lm's own speculative decoding with "
-        "the same draft model, on the same prompts and settings (EOS off, same seeds). Reports "
+        "a sweep of k and with k chosen every round ('auto', also with all drafters as one "
+        "group: mode 'all'), greedy and temperature 1.0, and mlx-lm's own speculative "
+        "decoding with the same draft model, on the same prompts and settings (EOS off, same seeds). Reports "
         "decode tokens/s, speedup over plain, acceptance (by draft position), mean accepted "
         "length, target passes per token, per-token latency p50/p95, prefill tokens/s, peak "
         "memory, time in rollback, and the analytic speedup bound from the measured acceptance "
@@ -378,9 +382,13 @@ def _add_bench(sub) -> None:
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     p.add_argument(
         "--modes",
-        help="comma-separated subset of plain,draft-model,ngram,mtp,mlx-lm (default: all)",
+        help="comma-separated subset of plain,draft-model,ngram,mtp,all,mlx-lm (default: all)",
     )
     p.add_argument("--num-draft", help="k sweep, comma-separated (default 1,2,4,8)")
+    p.add_argument(
+        "--max-draft", type=int, help="K of the 'auto' rows, which choose k in 0..K (default 8)"
+    )
+    p.add_argument("--no-auto", action="store_true", help="skip the 'auto' rows")
     p.add_argument("--temperatures", help="comma-separated (default 0,1.0)")
     p.add_argument("--repeats", type=int, help="measured repeats; medians reported (default 3)")
     p.add_argument("--seed", type=int, help="base seed (default 0)")
@@ -411,6 +419,7 @@ def cmd_bench(args) -> int:
         "seed": args.seed,
         "modes": bench.parse_modes(args.modes) if args.modes is not None else None,
         "num_draft": bench.parse_int_list(args.num_draft) if args.num_draft is not None else None,
+        "max_draft": args.max_draft,
         "temperatures": (
             bench.parse_float_list(args.temperatures) if args.temperatures is not None else None
         ),
@@ -418,6 +427,7 @@ def cmd_bench(args) -> int:
     config = bench.BenchConfig.preset(
         quick=args.quick,
         peer=not args.no_peer,
+        auto=not args.no_auto,
         **{key: value for key, value in overrides.items() if value is not None},
     )
     config.validate()
@@ -447,7 +457,31 @@ def _add_drafter_flags(p) -> None:
     drafters.add_argument(
         "--assistant", metavar="DIR", help="Gemma 4 assistant checkpoint (Gemma 4 targets only)"
     )
-    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument(
+        "--num-draft",
+        type=_num_draft,
+        default="auto",
+        metavar="K|auto",
+        help="draft tokens per round; 'auto' (default) picks k in 0..--max-draft every round "
+        "from the acceptance and costs measured as it goes, decoding plainly when speculation "
+        "does not pay",
+    )
+    p.add_argument(
+        "--max-draft",
+        type=int,
+        default=8,
+        metavar="K",
+        help="the longest draft 'auto' considers (default 8)",
+    )
+
+
+def _num_draft(text: str) -> int | str:
+    """An integer, or the text as given ('auto'; anything else is refused by the library
+    with a one-line error)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _add_sampling_flags(p) -> None:
@@ -482,7 +516,13 @@ def cmd_chat(args) -> int:
 
     _blas.warn_if_slow()
     model, tokenizer = mlx_spec.load(args.model)
-    session = Session(model, tokenizer, drafter=_drafter(args, model), num_draft=args.num_draft)
+    session = Session(
+        model,
+        tokenizer,
+        drafter=_drafter(args, model),
+        num_draft=args.num_draft,
+        max_draft=args.max_draft,
+    )
     sampling = dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     if args.seed is not None:
         import mlx.core as mx
@@ -556,6 +596,7 @@ def cmd_serve(args) -> int:
         max_queued=args.max_queued,
         default_drafter=default,
         num_draft=args.num_draft,
+        max_draft=args.max_draft,
     )
     app = create_app(model, tokenizer, config, drafters)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -572,6 +613,16 @@ def cmd_serve(args) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _quiet_third_parties() -> None:
+    """The command prints its own output only: transformers' notices (long-text tokenizer
+    warnings, deprecated config keys) are not about anything the user did."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers comes with mlx-lm
+        return
+    hf_logging.set_verbosity_error()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -595,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _quiet_third_parties()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -5,15 +5,30 @@ Each function draws on `ax` (a new figure when None) and returns the axes.
 
 from __future__ import annotations
 
-from mlx_spec.bench import PEER, PLAIN, SPEC_MODES, BenchReport, BenchResult, analytic_curve
+from mlx_spec.bench import (
+    ALL,
+    AUTO,
+    PEER,
+    PLAIN,
+    SPEC_MODES,
+    BenchReport,
+    BenchResult,
+    analytic_curve,
+)
 
 MODE_COLORS = {
     PLAIN: "#7f7f7f",
     "draft-model": "#1f77b4",
     "ngram": "#2ca02c",
     "mtp": "#d62728",
+    ALL: "#ff7f0e",
     PEER: "#9467bd",
 }
+
+
+def _fixed_k(rows: list[BenchResult]) -> list[BenchResult]:
+    """The rows of a fixed k (not "auto"), by k."""
+    return sorted((r for r in rows if isinstance(r.num_draft, int)), key=lambda r: r.num_draft)
 
 
 def _pyplot():
@@ -70,13 +85,17 @@ def tokens_per_sec_bars(report: BenchReport, ax=None):
 
 def speedup_vs_k(report: BenchReport, temperature: float = 0.0, ax=None):
     """Measured speedup against k per drafter, the bound at each measured k (from that run's
-    acceptance), and the analytic curve from the largest k's acceptance by position."""
+    acceptance), the analytic curve from the largest k's acceptance by position, and the
+    speedup of "auto" (k chosen every round) as a dotted line."""
     ax = _axes(ax)
     for mode in [m for m in report.modes if m in (*SPEC_MODES, PEER)]:
-        rows = sorted(report.select(mode, temperature), key=lambda r: r.num_draft)
+        color = MODE_COLORS.get(mode)
+        auto = report.result(mode, AUTO, temperature)
+        if auto is not None:
+            ax.axhline(auto.speedup, color=color, linestyle=":", label=f"{mode} auto")
+        rows = _fixed_k(report.select(mode, temperature))
         if not rows:
             continue
-        color = MODE_COLORS.get(mode)
         ks = [r.num_draft for r in rows]
         ax.plot(ks, [r.speedup for r in rows], "o-", color=color, label=f"{mode} measured")
         bound = [(r.num_draft, r.predicted_speedup) for r in rows if r.predicted_speedup]
@@ -100,10 +119,10 @@ def acceptance_by_position(report: BenchReport, temperature: float = 0.0, ax=Non
     from each mode's configuration with the largest k."""
     ax = _axes(ax)
     for mode in [m for m in report.modes if m in (*SPEC_MODES, PEER)]:
-        rows = report.select(mode, temperature)
+        rows = _fixed_k(report.select(mode, temperature))
         if not rows:
             continue
-        r = max(rows, key=lambda r: r.num_draft)
+        r = rows[-1]
         positions = range(1, len(r.acceptance_by_position) + 1)
         ax.plot(
             positions,
@@ -142,7 +161,7 @@ def versus_mlx_lm(report: BenchReport, ax=None):
     temperature."""
     ax = _axes(ax)
     for t in report.temperatures:
-        rows = [r for r in report.select("draft-model", t) if r.vs_mlx_lm]
+        rows = [r for r in _fixed_k(report.select("draft-model", t)) if r.vs_mlx_lm]
         if rows:
             ax.plot(
                 [r.num_draft for r in rows],

@@ -82,7 +82,9 @@ class _Arm:
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
-    return new if old is None else old + alpha * (new - old)
+    """Running average; a sample over 3x the average (a preempted thread, a collection) is
+    taken as 3x, so one outlier cannot swing a decision."""
+    return new if old is None else old + alpha * (min(new, 3 * old) - old)
 
 
 class AdaptiveDraftLength(DraftPolicy):
@@ -104,6 +106,8 @@ class AdaptiveDraftLength(DraftPolicy):
         refresh_every: after this many speculative rounds without plain steps, a stretch of
             `first_plain` plain steps measures the plain step again (the machine's load and the
             context length change it).
+        explore_every: every this many speculative rounds, k one above or below the best is
+            drafted instead, so the estimates of its neighbours stay current.
         probe_min, probe_max: plain steps before speculation is probed again; the interval
             doubles after each probe that does not win, up to probe_max.
     """
@@ -124,8 +128,9 @@ class AdaptiveDraftLength(DraftPolicy):
         margin: float = 0.03,
         first_plain: int = 4,
         refresh_every: int = 64,
+        explore_every: int = 16,
         probe_min: int = 8,
-        probe_max: int = 128,
+        probe_max: int = 32,
     ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
@@ -135,12 +140,16 @@ class AdaptiveDraftLength(DraftPolicy):
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.decay, self.idle_decay, self.alpha, self.margin = decay, idle_decay, alpha, margin
         self.first_plain, self.refresh_every = first_plain, refresh_every
+        self.explore_every = explore_every
         self.probe_min, self.probe_max = probe_min, probe_max
-        self.verify: dict[int, float] = {}  # drafts verified -> seconds per round
+        # Decayed sums over speculative rounds of (1, k, k^2, v, k v): k drafts verified, v
+        # seconds; v(k) is the least-squares line through them.
+        self._fit = [0.0] * 5
         self.plain: float | None = None  # seconds per plain step
         self._since_spec = 0  # plain steps since the last speculative round
         self._probe_every = probe_min
         self._rounds_since_plain = 0
+        self._rounds = 0  # speculative rounds chosen for their rate
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -162,24 +171,20 @@ class AdaptiveDraftLength(DraftPolicy):
         return total
 
     def verify_seconds(self, drafts: float) -> float:
-        """v(drafts): a round's target pass over drafts + 1 tokens, verification and rollback;
-        interpolated between measured draft counts, extrapolated linearly beyond them."""
+        """v(drafts): a round's target pass over drafts + 1 tokens, verification and rollback,
+        from a least-squares line through every measured round (recent ones weigh more)."""
         plain = self.plain or 1.0
-        floor = 0.02 * plain  # per extra token: a pass never gets cheaper with more tokens
-        known = sorted(self.verify.items())
-        if not known:
+        w, wk, wkk, wv, wkv = self._fit
+        if w <= 0:
             return plain * (1.05 + 0.1 * drafts)
-        if len(known) == 1:
-            return known[0][1] + 0.1 * plain * (drafts - known[0][0])
-        i = 1
-        while i < len(known) - 1 and known[i][0] < drafts:
-            i += 1
-        (k0, v0), (k1, v1) = known[i - 1], known[i]
-        slope = (v1 - v0) / (k1 - k0)
-        if k0 <= drafts <= k1:
-            return v0 + slope * (drafts - k0)
-        slope = max(slope, floor)
-        return v1 + slope * (drafts - k1) if drafts > k1 else max(0.0, v0 + slope * (drafts - k0))
+        mean_k, mean_v = wk / w, wv / w
+        spread = wkk / w - mean_k**2
+        if spread > 0.25:  # rounds of several lengths: the data give the slope
+            slope = (wkv / w - mean_k * mean_v) / spread
+        else:
+            slope = 0.1 * plain
+        slope = max(slope, 0.01 * plain)  # a pass never gets cheaper with more tokens
+        return max(mean_v + slope * (drafts - mean_k), 0.0)
 
     def round_seconds(self, arm: int, k: int) -> float:
         """Predicted seconds of a round asking `arm` for k drafts."""
@@ -208,6 +213,9 @@ class AdaptiveDraftLength(DraftPolicy):
         rate, arm, k = self._best(limit)
         if rate * self.plain > 1 + self.margin:
             self._since_spec, self._probe_every = 0, self.probe_min
+            self._rounds += 1
+            if self._rounds % self.explore_every == 0:  # a neighbouring k keeps its estimates fresh
+                k = max(1, min(limit, k + (1 if self._rounds // self.explore_every % 2 else -1)))
             return Choice(arm, k)
         if self._since_spec >= self._probe_every:  # probe: it may win now
             self._since_spec = 0
@@ -234,7 +242,11 @@ class AdaptiveDraftLength(DraftPolicy):
             a.hits[i] += float(i < accepted)
         a.cost = _ema(a.cost, draft_s / asked, self.alpha)
         a.fill = _ema(a.fill, drafted / asked, self.alpha)
-        self.verify[drafted] = _ema(self.verify.get(drafted), verify_s, self.alpha)
+        k, v = float(drafted), min(verify_s, 3 * self.verify_seconds(drafted))
+        keep = 1.0 - self.alpha / 2  # about the last 2 / alpha rounds count
+        self._fit = [
+            f * keep + x for f, x in zip(self._fit, (1.0, k, k * k, v, k * v), strict=True)
+        ]
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
         weight = min(1.0, self.alpha * tokens)  # a long stretch counts as several samples

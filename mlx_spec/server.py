@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from mlx_spec.api import GenerationChunk, encode_prompt, stream_generate
 from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
@@ -99,7 +99,7 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     drafter: str | None = None
-    num_draft: int | None = Field(default=None, ge=0, le=MAX_NUM_DRAFT)
+    num_draft: Literal["auto"] | Annotated[int, Field(ge=0, le=MAX_NUM_DRAFT)] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -314,7 +314,8 @@ class ServerConfig:
         max_concurrent: generations advanced together.
         max_queued: requests waiting at most.
         default_drafter: drafter used when a request does not say (None: plain decoding).
-        num_draft: draft tokens per round unless a request says otherwise.
+        num_draft: "auto" or draft tokens per round, unless a request says otherwise.
+        max_draft: the longest draft "auto" considers.
     """
 
     model_id: str = "model"
@@ -324,7 +325,8 @@ class ServerConfig:
     max_concurrent: int = 8
     max_queued: int = 256
     default_drafter: str | None = None
-    num_draft: int = 4
+    num_draft: int | str = "auto"
+    max_draft: int = 8
 
 
 class _BodyLimit:
@@ -503,7 +505,7 @@ class _Plan:
     ids: list[int]
     max_tokens: int
     drafter: Callable[[], Drafter] | None
-    num_draft: int
+    num_draft: int | str
     stops: list[str]
 
 
@@ -620,6 +622,7 @@ class _Server:
                 plan.ids,
                 drafter=None if plan.drafter is None else plan.drafter(),
                 num_draft=plan.num_draft,
+                max_draft=self.config.max_draft,
                 temperature=body.temperature,
                 top_p=body.top_p,
                 max_tokens=plan.max_tokens,
@@ -750,6 +753,7 @@ def usage(stats: SpecStats, prompt_tokens: int) -> dict:
             "enabled": stats.drafter != "none",
             "drafter": None if stats.drafter == "none" else stats.drafter,
             "num_draft": stats.num_draft if stats.drafter != "none" else 0,
+            "k_histogram": {str(k): n for k, n in sorted(stats.k_histogram.items())},
             "drafted_tokens": stats.drafted,
             "accepted_tokens": stats.accepted,
             "acceptance_rate": stats.acceptance_rate,

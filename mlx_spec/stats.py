@@ -62,6 +62,16 @@ class SpecStats:
         self.target_passes += 1
         self.round_seconds.append(seconds)
 
+    def choices_line(self) -> str:
+        """What an adaptive policy chose: 'k chosen: 0 x12, 1 x30; rounds by drafter: ...'
+        (k = 0: plain decoding steps)."""
+        hist = ", ".join(f"{k} x{n}" for k, n in sorted(self.k_histogram.items()))
+        line = f"k chosen: {hist or 'none'}"
+        if len(self.drafter_rounds) > 1 or "+" in self.drafter:
+            used = ", ".join(f"{name} x{n}" for name, n in self.drafter_rounds.items())
+            line += f"; rounds by drafter: {used or 'none'}"
+        return line
+
     @property
     def drafted(self) -> int:
         return sum(self.drafted_per_position)

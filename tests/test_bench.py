@@ -91,8 +91,9 @@ def test_report_records(self_draft_report):
     """One JSON record per configuration with every required field; plain is the baseline."""
     record = json.loads(self_draft_report.to_json())
     results = record["results"]
-    assert {r["mode"] for r in results} == {"plain", "draft-model", "ngram", "mlx-lm"}
-    assert len(results) == 2 * (1 + 3 * 2)  # two temperatures: plain + 3 modes x 2 k
+    assert {r["mode"] for r in results} == {"plain", "draft-model", "ngram", "all", "mlx-lm"}
+    # two temperatures: plain + 2 modes x (2 k + auto) + the group (auto) + the peer x 2 k
+    assert len(results) == 2 * (1 + 2 * 3 + 1 + 2)
     for r in results:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["tokens_per_sec"] > 0 and r["peak_memory_mb"] > 0
@@ -100,7 +101,14 @@ def test_report_records(self_draft_report):
     for r in (r for r in results if r["mode"] == "plain"):
         assert r["speedup"] == 1.0 and r["acceptance_rate"] is None and r["num_draft"] == 0
     for r in (r for r in results if r["mode"] in ("draft-model", "mlx-lm")):
-        assert r["predicted_speedup"] > 0 and r["vs_mlx_lm"] > 0
+        assert r["predicted_speedup"] > 0 and (r["vs_mlx_lm"] or r["num_draft"] == "auto")
+    auto = [r for r in results if r["num_draft"] == "auto"]
+    assert {r["mode"] for r in auto} == {"draft-model", "ngram", "all"}
+    for r in auto:  # k chosen, in rounds (0: plain steps); the group's rounds by drafter
+        assert sum(r["k_histogram"].values()) >= r["target_passes"] - 2
+        assert r["vs_best_fixed_k"] is not None or r["mode"] == "all"
+    group = next(r for r in auto if r["mode"] == "all")
+    assert set(group["drafter_rounds"]) <= {"draft-model", "ngram"}
     assert {"header", "costs", "summary"} <= set(record)
     assert record["header"]["max_tokens"] == MAX_TOKENS
 
@@ -124,9 +132,13 @@ def test_markdown_table(self_draft_report):
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| mode | k | T | tok/s | speedup |")
     assert (
-        sum(row.startswith(("| plain ", "| draft-model ", "| ngram ", "| mlx-lm ")) for row in rows)
-        == 14
+        sum(
+            row.startswith(("| plain ", "| draft-model ", "| ngram ", "| all ", "| mlx-lm "))
+            for row in rows
+        )
+        == 20
     )
+    assert "auto, ngram T=0:" in text
     assert "BLAS" in text and "mlx-spec / mlx-lm" in text
 
 
@@ -148,8 +160,10 @@ def test_cli_quick(checkpoints, prompts_file, tmp_path):
     assert {(r["mode"], r["num_draft"]) for r in results} == {
         ("plain", 0),
         *((mode, k) for mode in ("draft-model", "ngram", "mlx-lm") for k in (2, 4)),
+        *((mode, "auto") for mode in ("draft-model", "ngram", "all")),
     }
     assert all(REQUIRED <= set(r) for r in results)
+    assert all(r["k_histogram"] for r in results if r["num_draft"] == "auto")
 
 
 def one_line_error(capsys, *args: str) -> str:
@@ -219,7 +233,7 @@ def test_mtp_drafter_found_beside_the_target(tmp_path, prompts_file):
         micro_repeats=2,
     )
     report = bench.run_bench(config)
-    assert [r.mode for r in report.results] == ["plain", "ngram", "mtp"]
+    assert [r.mode for r in report.results] == ["plain", "ngram", "ngram", "mtp", "mtp", "all"]
     mtp = report.result("mtp", 2, 0.0)
     assert mtp.matches_plain and mtp.draft_cost > 0 and mtp.predicted_speedup > 0
     assert report.header["mtp"].endswith("mtp")

@@ -57,8 +57,9 @@ def test_greedy_speculative_equals_plain(pair, drafter):
 
 
 def test_cli_without_model_flags(pair):
-    """`mlx-spec generate --prompt ...` alone runs the pair offline with a drafter on and
-    reports acceptance and speedup."""
+    """`mlx-spec generate --prompt ...` alone runs the pair offline, offering its three
+    drafters to the adaptive policy, and reports acceptance, what it chose and the speedup;
+    nothing but its own output reaches the terminal (no third-party notices)."""
     env = {**os.environ, "MLX_SPEC_CACHE": str(pair[0].parent), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [
@@ -78,5 +79,8 @@ def test_cli_without_model_flags(pair):
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
+    assert all(line.startswith("mlx-spec:") for line in proc.stderr.splitlines()), proc.stderr
     stats = json.loads(proc.stdout)["stats"]
-    assert stats["drafter"] == "ngram" and stats["speedup"] > 0 and "acceptance_rate" in stats
+    assert stats["drafter"] == "ngram+draft-model+mtp" and stats["num_draft"] == "auto"
+    assert stats["speedup"] > 0 and "acceptance_rate" in stats
+    assert sum(stats["k_histogram"].values()) == stats["target_passes"]

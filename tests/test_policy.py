@@ -49,27 +49,28 @@ def test_first_choice_measures_plain_decoding():
 
 def test_always_right_cheap_drafter_settles_on_k_max():
     """A drafter that is always right and costs 2% of a plain step: k = K within 30 choices,
-    and K from then on (but for the periodic plain-step measurement)."""
+    and K from then on (but for the periodic plain-step measurement and a neighbour explored
+    every `explore_every` rounds)."""
     policy = AdaptiveDraftLength(8)
     choices = simulate(policy, [1.0], [0.02 * PLAIN], rounds=120)
     first = next(i for i, c in enumerate(choices) if c.num_draft == 8)
     assert first < 30
-    later = [c for c in choices[first:] if not c.plain_tokens]
-    assert all(c.num_draft == 8 for c in later)
+    later = [c.num_draft for c in choices[first:] if not c.plain_tokens]
+    assert set(later) <= {7, 8} and later.count(7) <= len(later) / policy.explore_every + 1
     plain = sum(c.plain_tokens for c in choices[first:])
     assert plain <= 2 * policy.first_plain  # refreshes only
 
 
 def test_never_right_drafter_settles_on_plain_decoding():
     """A drafter that is never right: plain decoding within 5 choices; afterwards one probe
-    round after each plain stretch, the stretches doubling up to probe_max tokens."""
+    round after each plain stretch, the stretches doubling up to probe_max (32) tokens."""
     policy = AdaptiveDraftLength(8)
     choices = simulate(policy, [0.0], [0.2 * PLAIN], rounds=60)
     first = next(i for i, c in enumerate(choices) if c.plain_tokens and i > 0)
     assert first < 5
     stretches = [c.plain_tokens for c in choices[first:] if c.plain_tokens]
-    assert stretches[:5] == [8, 16, 32, 64, 128]
-    assert set(stretches[5:]) == {policy.probe_max}
+    assert stretches[:3] == [8, 16, 32]
+    assert set(stretches[3:]) == {policy.probe_max} == {32}
     probes = [c for c in choices[first:] if not c.plain_tokens]
     assert all(c.num_draft == 1 for c in probes)
     assert len(probes) <= len(stretches)

@@ -61,7 +61,7 @@ def test_second_turn_equals_fresh_run(loaded, family, kind):
     new tokens are prefilled (the reply's last token, pending in speculative decoding, too)."""
     entry = no_eos(loaded[family])
     model, tok = entry[:2]
-    session = Session(model, tok, drafter=make_drafter(kind, family, entry))
+    session = Session(model, tok, drafter=make_drafter(kind, family, entry), num_draft=4)
     first = session.generate(PROMPT, max_tokens=N)
     assert first.stats.cached_tokens == 0 and not first.stats.cache_reset
     prompt = tok.encode(PROMPT) + first.tokens + encode(tok, NEW)
@@ -110,7 +110,7 @@ def test_interrupted_reply_keeps_what_was_shown(loaded, family, kind):
     tokens: the next turn, built on them, reuses the cache and decodes like a fresh run."""
     entry = no_eos(loaded[family])
     model, tok = entry[:2]
-    session = Session(model, tok, drafter=make_drafter(kind, family, entry))
+    session = Session(model, tok, drafter=make_drafter(kind, family, entry), num_draft=4)
     stream = session.stream(PROMPT, max_tokens=N)
     shown = [next(stream).token for _ in range(7)]
     stream.close()
@@ -130,7 +130,7 @@ def test_edited_history(loaded, family, kind):
     wrapped by then) cannot be cut and is rebuilt. Either way the output equals a fresh run."""
     entry = no_eos(loaded[family])
     model, tok = entry[:2]
-    session = Session(model, tok, drafter=make_drafter(kind, family, entry))
+    session = Session(model, tok, drafter=make_drafter(kind, family, entry), num_draft=4)
     first = session.generate(PROMPT, max_tokens=N)
     keep = len(tok.encode(PROMPT)) + 5
     prompt = (tok.encode(PROMPT) + first.tokens)[:keep] + encode(tok, NEW)

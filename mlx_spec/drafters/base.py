@@ -86,6 +86,11 @@ class Drafter(ABC):
         self.begin(prompt, vocab_size)
         return True
 
+    def catch_up(self) -> None:  # noqa: B027
+        """Feed what piled up while this drafter did not draft (plain steps, or another drafter
+        of a group), so that the next `draft` does drafting work only. Optional: drafters
+        without a cache ignore it, and `draft` must work without it."""
+
     @abstractmethod
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         """Propose up to k tokens following the sequence."""

@@ -100,6 +100,17 @@ class DraftModelDrafter(Drafter):
         self._num_drafted = 0
         return True
 
+    def catch_up(self) -> None:
+        """Prefill every pending token but the last (which the next draft feeds)."""
+        backlog = self._pending[:-1]
+        limit = None if self.runner is None else self.runner.context_limit
+        if self._idle or not backlog or self._num_drafted:
+            return
+        if limit is not None and self.runner.length + len(self._pending) >= limit:
+            return  # near the context limit: draft() decides what still fits
+        self.runner.prefill(backlog)
+        self._pending = self._pending[-1:]
+
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         k = 0 if self._idle else context_budget(self.runner, k, len(self._pending))
         self._num_drafted = 0
@@ -113,7 +124,7 @@ class DraftModelDrafter(Drafter):
     def accept(self, num_accepted: int, emitted: list[int], hidden=None) -> None:
         k = self._num_drafted
         if k == 0:
-            self._pending = self._pending + emitted
+            self._pending += emitted
             return
         # Fed this round: pending + drafts[:k-1]. Keep pending + the accepted drafts; after a
         # full acceptance the last draft was never fed and stays pending with the bonus token.

@@ -68,6 +68,9 @@ class DrafterGroup(Drafter):
                     d.begin(prompt, vocab_size)
         return ok
 
+    def catch_up(self) -> None:
+        self.drafters[self._active].catch_up()
+
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         return self.drafters[self._active].draft(k, sampling)
 

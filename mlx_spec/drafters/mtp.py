@@ -42,8 +42,20 @@ class MTPDrafter(Drafter):
         self.target = target
         self.runner: ModelRunner | None = None
         self._pending_tokens: list[int] = []
-        self._pending_hidden: mx.array | None = None
+        self._hidden_parts: list[mx.array] = []  # the pending pairs' hidden rows, joined on use
         self._num_drafted = 0
+
+    @property
+    def _pending_hidden(self) -> mx.array | None:
+        """`[len(pending tokens), T]` hidden states of the pending pairs."""
+        parts = self._hidden_parts
+        if len(parts) > 1:
+            self._hidden_parts = parts = [mx.concatenate(parts)]
+        return parts[0] if parts else None
+
+    @_pending_hidden.setter
+    def _pending_hidden(self, value: mx.array | None) -> None:
+        self._hidden_parts = [] if value is None else [value]
 
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:
         if target is not self.target:
@@ -93,6 +105,18 @@ class MTPDrafter(Drafter):
         self._num_drafted = 0
         return True
 
+    def catch_up(self) -> None:
+        """Feed every pending pair but the last (which the next draft feeds)."""
+        backlog = len(self._pending_tokens) - 1
+        if backlog <= 0 or self._num_drafted or self.runner is None:
+            return
+        limit = self.runner.context_limit
+        if limit is not None and self.runner.length + backlog + 1 >= limit:
+            return
+        hidden = self._pending_hidden
+        self.runner.prefill(self._pending_tokens[:-1], hidden=hidden[:-1])
+        self._pending_tokens, self._pending_hidden = self._pending_tokens[-1:], hidden[-1:]
+
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         pending = len(self._pending_tokens)
         k = context_budget(self.runner, k, pending) if pending else 0
@@ -115,10 +139,9 @@ class MTPDrafter(Drafter):
             # Keep the true pairs fed at the start of the round; drop every self-fed step.
             self.runner.rollback(len(self._pending_tokens))
             self._pending_tokens, self._pending_hidden = list(emitted), hidden
-        else:
-            self._pending_tokens = self._pending_tokens + list(emitted)
-            parts = [h for h in (self._pending_hidden, hidden) if h is not None]
-            self._pending_hidden = mx.concatenate(parts) if parts else None
+        else:  # nothing drafted (plain steps): the pairs pile up until the next draft
+            self._pending_tokens += emitted
+            self._hidden_parts += [] if hidden is None else [hidden]
         self._num_drafted = 0
 
 
