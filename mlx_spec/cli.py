@@ -354,8 +354,8 @@ def _add_bench(sub) -> None:
         "a sweep of k and with k chosen every round ('auto', also with all drafters as one "
         "group: mode 'all'), greedy and temperature 1.0, and mlx-lm's own speculative "
         "decoding with the same draft model, on the same prompts and settings (EOS off, same "
-        "seeds). Reports decode tokens/s, speedup over plain, acceptance (by draft position), mean accepted "
-        "length, target passes per token, per-token latency p50/p95, prefill tokens/s, peak "
+        "seeds). Reports decode tokens/s, speedup over plain, acceptance (by draft "
+        "position), mean accepted length, target passes per token, per-token latency p50/p95, prefill tokens/s, peak "
         "memory, time in rollback, and the analytic speedup bound from the measured acceptance "
         "and costs. Warm-up, interleaved repeats, medians. Without --model: the embedded demo "
         "pair on held-out standard-library code.",
