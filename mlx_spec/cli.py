@@ -350,15 +350,16 @@ def _add_bench(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="measure tokens/s of every decoding mode, with mlx-lm's speculative decoding beside",
-        description="A/B benchmark: plain decoding, each drafter (draft model, n-gram, MTP) over "
-        "a sweep of k and with k chosen every round ('auto', also with all drafters as one "
+        description="A/B benchmark: plain decoding, each drafter (draft model, n-gram, MTP) "
+        "over a sweep of k and with k chosen every round ('auto'; also all drafters as one "
         "group: mode 'all'), greedy and temperature 1.0, and mlx-lm's own speculative "
-        "decoding with the same draft model, on the same prompts and settings (EOS off, same "
-        "seeds). Reports decode tokens/s, speedup over plain, acceptance (by draft "
-        "position), mean accepted length, target passes per token, per-token latency p50/p95, prefill tokens/s, peak "
-        "memory, time in rollback, and the analytic speedup bound from the measured acceptance "
-        "and costs. Warm-up, interleaved repeats, medians. Without --model: the embedded demo "
-        "pair on held-out standard-library code.",
+        "decoding with the same draft model, on the same prompts and settings (EOS off, "
+        "same seeds). Reports decode tokens/s, speedup over plain, acceptance (by draft "
+        "position), mean accepted length, target passes per token, per-token latency "
+        "p50/p95, prefill tokens/s, peak memory, time in rollback, the k chosen by 'auto', "
+        "and the analytic speedup bound from the measured acceptance and costs. Warm-up, "
+        "interleaved repeats, medians. Without --model: the embedded demo pair on held-out "
+        "standard-library code.",
     )
     p.add_argument("--model", help="target: MLX model directory or hub id (default: the demo pair)")
     p.add_argument(
