@@ -121,13 +121,9 @@ class _Decoder:
         target, drafter, sampling = self.target, self.drafter, self.sampling
         start = time.perf_counter()
         drafter.select(arm)
-        if self.policy.timed:  # the backlog of plain steps is not the cost of a draft
-            drafter.catch_up()
+        drafter.catch_up()  # a backlog from plain steps is not the cost of this round
         tic = time.perf_counter()
         draft = drafter.draft(k, sampling)
-        if self.policy.timed:  # drafting and verifying timed apart for the policy
-            mx.eval(draft.tokens, draft.probs)
-        drafted_at = time.perf_counter()
         drafted = draft.tokens.size
         target.checkpoint(drafted + 1, single_call=True)
         inputs = mx.concatenate([mx.array([self.last], mx.uint32), draft.tokens.astype(mx.uint32)])
@@ -145,8 +141,8 @@ class _Decoder:
             self._commit(rnd.tokens[:keep])
             done = time.perf_counter()
             self.stats.rollback_seconds += done - settle
-            verify_s = settle - drafted_at + done - settle
-            self.policy.observe_round(arm, k, drafted, n, drafted_at - tic, verify_s)
+            spent = rnd.seconds - (tic - start) + done - settle  # the consumer's time left out
+            self.policy.observe_round(arm, k, drafted, n, spent)
             self.stats.observe_choice(drafter.arm_names[arm], k)
 
     def plain_stretch(self, count: int) -> Iterator[Round]:

@@ -5,17 +5,20 @@ reads models or tokens' values: the choice depends only on earlier rounds, so it
 the verification of the round it picks (any draft length keeps the output distribution).
 
 `AdaptiveDraftLength` keeps, per drafter (arm), running estimates of the probability that draft
-position i is kept given that the ones before it were, the drafter's cost per draft token and
-the target's cost of verifying j drafts, all measured in the running generation. Each round it
-picks the k in 1..K (and the arm) that maximises expected tokens per second,
-E(k) / (k c + v(k)), with E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i, and compares it with plain
-decoding (1 / the measured plain step time). When plain decoding wins it asks for a stretch of
-plain steps and probes speculation again after it, at doubling intervals while it keeps losing.
+position i is kept given that the ones before it were, and of the time of a round as a line in
+the number of drafts, a + b k: the drafter's k steps (c each) and the target's pass over k + 1
+tokens (v_k), verification and rollback, fitted on the rounds the arm ran. No synchronisation
+is added to split drafting from verifying, so the target's graph is still built while the
+drafter computes. Each round it picks the k in 1..K (and the arm) that maximises expected
+tokens per second, E(k) / (k c + v_k), with E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i, and
+compares it with plain decoding (1 / the measured plain step time). When plain decoding wins it
+asks for a stretch of plain steps and probes speculation again after it, at doubling intervals
+while it keeps losing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,6 @@ class Choice:
 class DraftPolicy:
     """Base: a policy that always drafts `num_draft` tokens with arm 0."""
 
-    # True: the loop times drafting and verification apart (a synchronisation after drafting).
-    timed = False
     max_draft = 0  # the longest draft it may ask for
 
     def choose(self, limit: int) -> Choice:
@@ -45,10 +46,10 @@ class DraftPolicy:
         raise NotImplementedError
 
     def observe_round(
-        self, arm: int, asked: int, drafted: int, accepted: int, draft_s: float, verify_s: float
+        self, arm: int, asked: int, drafted: int, accepted: int, seconds: float
     ) -> None:
-        """A speculative round: `asked` drafts requested, `drafted` returned, `accepted` kept;
-        seconds spent drafting and verifying (target pass, verification and rollback)."""
+        """A speculative round: `asked` drafts requested, `drafted` returned, `accepted` kept,
+        `seconds` from drafting to the end of the rollback."""
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
         """A stretch of `tokens` plain decoding steps took `seconds` in all."""
@@ -71,13 +72,41 @@ class FixedDraftLength(DraftPolicy):
         return str(self.num_draft)
 
 
+class _Line:
+    """Seconds of a round as a line in its number of drafts, by least squares over decayed
+    sums of (1, x, x^2, y, x y); recent rounds weigh more."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5
+
+    def add(self, x: float, y: float, keep: float) -> None:
+        terms = (1.0, x, x * x, y, x * y)
+        self.sums = [s * keep + v for s, v in zip(self.sums, terms, strict=True)]
+
+    def at(self, x: float, prior: tuple[float, float], floor: float) -> float:
+        """The line at x. `prior` (intercept, slope) stands in before the first round; while
+        the rounds had (nearly) one length, the slope leans on the prior's above them and on
+        zero below them: both err towards dearer rounds, so k moves only when acceptance
+        says so, and the rounds it then runs teach the real slope."""
+        w, wx, wxx, wy, wxy = self.sums
+        if w <= 0:
+            return prior[0] + prior[1] * x
+        mean_x, mean_y = wx / w, wy / w
+        spread = max(wxx / w - mean_x**2, 0.0)
+        measured = (wxy / w - mean_x * mean_y) / spread if spread > 1e-9 else 0.0
+        trust = w * spread / (w * spread + 1.0)  # one pseudo-round of unit spread
+        slope = trust * measured + (1.0 - trust) * (prior[1] if x > mean_x else 0.0)
+        slope = max(slope, floor)  # a round never gets cheaper with more drafts
+        return mean_y + slope * (x - mean_x)
+
+
 @dataclass
 class _Arm:
     """Running estimates for one drafter."""
 
     hits: list[float]  # per draft position: decayed count of rounds that kept it
     trials: list[float]  # ... that reached it (the drafts before it were kept)
-    cost: float | None = None  # seconds per draft token asked for
+    seconds: _Line = field(default_factory=_Line)  # round time against drafts verified
     fill: float = 1.0  # drafted / asked (a lookup drafter may find fewer than asked)
 
 
@@ -112,8 +141,6 @@ class AdaptiveDraftLength(DraftPolicy):
             doubles after each probe that does not win, up to probe_max.
     """
 
-    timed = True
-
     def __init__(
         self,
         max_draft: int = 8,
@@ -142,9 +169,6 @@ class AdaptiveDraftLength(DraftPolicy):
         self.first_plain, self.refresh_every = first_plain, refresh_every
         self.explore_every = explore_every
         self.probe_min, self.probe_max = probe_min, probe_max
-        # Decayed sums over speculative rounds of (1, k, k^2, v, k v): k drafts verified, v
-        # seconds; v(k) is the least-squares line through them.
-        self._fit = [0.0] * 5
         self.plain: float | None = None  # seconds per plain step
         self._since_spec = 0  # plain steps since the last speculative round
         self._probe_every = probe_min
@@ -170,27 +194,13 @@ class AdaptiveDraftLength(DraftPolicy):
             total += keep
         return total
 
-    def verify_seconds(self, drafts: float) -> float:
-        """v(drafts): a round's target pass over drafts + 1 tokens, verification and rollback,
-        from a least-squares line through every measured round (recent ones weigh more)."""
-        plain = self.plain or 1.0
-        w, wk, wkk, wv, wkv = self._fit
-        if w <= 0:
-            return plain * (1.05 + 0.1 * drafts)
-        mean_k, mean_v = wk / w, wv / w
-        spread = wkk / w - mean_k**2
-        if spread > 0.25:  # rounds of several lengths: the data give the slope
-            slope = (wkv / w - mean_k * mean_v) / spread
-        else:
-            slope = 0.1 * plain
-        slope = max(slope, 0.01 * plain)  # a pass never gets cheaper with more tokens
-        return max(mean_v + slope * (drafts - mean_k), 0.0)
-
     def round_seconds(self, arm: int, k: int) -> float:
-        """Predicted seconds of a round asking `arm` for k drafts."""
-        a = self.arms[arm]
-        cost = a.cost if a.cost is not None else 0.2 * (self.plain or 1.0)
-        return k * cost + self.verify_seconds(k * a.fill)
+        """Predicted seconds of a round asking `arm` for k drafts (a lookup drafter that finds
+        fewer than asked is charged for what it usually finds)."""
+        plain = self.plain or 1.0
+        prior = (1.05 * plain, 0.3 * plain)  # a pass over 2 tokens, a drafter of 0.2 steps
+        seconds = self.arms[arm].seconds.at(k * self.arms[arm].fill, prior, 0.01 * plain)
+        return max(seconds, 0.5 * plain)  # a round is at least a target pass
 
     def rate(self, arm: int, k: int) -> float:
         """Predicted tokens per second of rounds asking `arm` for k drafts."""
@@ -226,7 +236,7 @@ class AdaptiveDraftLength(DraftPolicy):
     # --- observations ------------------------------------------------------------------------
 
     def observe_round(
-        self, arm: int, asked: int, drafted: int, accepted: int, draft_s: float, verify_s: float
+        self, arm: int, asked: int, drafted: int, accepted: int, seconds: float
     ) -> None:
         if asked <= 0:
             return
@@ -240,13 +250,9 @@ class AdaptiveDraftLength(DraftPolicy):
         for i in range(min(accepted + 1, asked)):
             a.trials[i] += 1.0
             a.hits[i] += float(i < accepted)
-        a.cost = _ema(a.cost, draft_s / asked, self.alpha)
         a.fill = _ema(a.fill, drafted / asked, self.alpha)
-        k, v = float(drafted), min(verify_s, 3 * self.verify_seconds(drafted))
-        keep = 1.0 - self.alpha / 2  # about the last 2 / alpha rounds count
-        self._fit = [
-            f * keep + x for f, x in zip(self._fit, (1.0, k, k * k, v, k * v), strict=True)
-        ]
+        predicted = self.round_seconds(arm, drafted) if a.seconds.sums[0] > 0 else seconds
+        a.seconds.add(drafted, min(seconds, 3 * predicted), keep=self.decay)
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
         weight = min(1.0, self.alpha * tokens)  # a long stretch counts as several samples

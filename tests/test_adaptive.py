@@ -25,8 +25,6 @@ class ScriptedPolicy(DraftPolicy):
     """Random choices independent of the tokens: plain stretches of 1-5 steps (30%), else k in
     1..K with a random arm, so k moves between 0 and K all the time."""
 
-    timed = True
-
     def __init__(self, max_draft: int = 4, arms: int = 1, seed: int = 0):
         self.max_draft, self.arms = max_draft, arms
         self.rng = random.Random(seed)

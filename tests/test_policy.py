@@ -32,7 +32,7 @@ def simulate(policy, accept_prob, draft_cost, rounds: int, seed: int = 0, slope:
         accepted = 0
         while accepted < k and rng.random() < accept_prob[arm]:
             accepted += 1
-        policy.observe_round(arm, k, k, accepted, k * draft_cost[arm], verify_cost(k, slope))
+        policy.observe_round(arm, k, k, accepted, k * draft_cost[arm] + verify_cost(k, slope))
     return choices
 
 
@@ -124,20 +124,38 @@ def test_acceptance_estimates_and_expected_tokens():
     """Position estimates follow the kept/reached counts; E(k) is 1 + sum of products."""
     policy = AdaptiveDraftLength(3, prior_weight=1e-9, decay=1.0)
     for accepted in (3, 3, 1, 0):  # position 1 reached 4 times, kept 3; position 2: 3 of 3 ...
-        policy.observe_round(0, 3, 3, accepted, 0.0, PLAIN)
+        policy.observe_round(0, 3, 3, accepted, PLAIN)
     a = policy.acceptance(0)
     assert a == pytest.approx([0.75, 2 / 3, 1.0], abs=1e-6)
     assert policy.expected_tokens(0, 3) == pytest.approx(1 + 0.75 + 0.5 + 0.5, abs=1e-6)
 
 
-def test_verify_cost_interpolates_and_extrapolates():
+def test_round_time_is_a_line_in_k():
+    """Rounds of 1 and 3 drafts give the line through them. Rounds of one length alone lean
+    on the prior slope above it and on a flat line below it (both dearer than the truth,
+    never cheaper); a negative slope from noise is floored."""
     policy = AdaptiveDraftLength(8, alpha=1.0)
     policy.observe_plain(4, 4 * PLAIN)
-    for k, seconds in ((1, 0.011), (3, 0.013)):
-        policy.observe_round(0, k, k, 0, 0.0, seconds)
-    assert policy.verify_seconds(2) == pytest.approx(0.012)
-    assert policy.verify_seconds(5) == pytest.approx(0.015)
-    assert policy.verify_seconds(0) == pytest.approx(0.010)
+    policy.observe_round(0, 1, 1, 0, 0.011)
+    assert policy.round_seconds(0, 3) == pytest.approx(0.011 + 2 * 0.3 * PLAIN)
+    for _ in range(20):
+        policy.observe_round(0, 3, 3, 0, 0.013)
+        policy.observe_round(0, 1, 1, 0, 0.011)
+    assert policy.round_seconds(0, 2) == pytest.approx(0.012, rel=0.01)
+    assert policy.round_seconds(0, 5) == pytest.approx(0.015, rel=0.02)
+    assert policy.round_seconds(0, 0) == pytest.approx(0.010, rel=0.02)
+    one_length = AdaptiveDraftLength(8)
+    one_length.observe_plain(4, 4 * PLAIN)
+    for _ in range(20):
+        one_length.observe_round(0, 4, 4, 0, 0.014)
+    assert one_length.round_seconds(0, 2) == pytest.approx(0.014 - 2 * 0.01 * PLAIN)  # floor
+    assert one_length.round_seconds(0, 6) == pytest.approx(0.014 + 2 * 0.3 * PLAIN)
+    noisy = AdaptiveDraftLength(8, alpha=1.0)
+    noisy.observe_plain(4, 4 * PLAIN)
+    for _ in range(20):
+        noisy.observe_round(0, 1, 1, 0, 0.013)
+        noisy.observe_round(0, 3, 3, 0, 0.011)
+    assert noisy.round_seconds(0, 5) > noisy.round_seconds(0, 3)
 
 
 def test_fewer_drafts_than_asked_count_as_rejections():
@@ -145,8 +163,8 @@ def test_fewer_drafts_than_asked_count_as_rejections():
     the chance of a kept draft, not the acceptance of the drafts it found."""
     policy = AdaptiveDraftLength(4, prior_weight=1e-9, decay=1.0)
     for _ in range(10):
-        policy.observe_round(0, 2, 2, 2, 0.0, PLAIN)
-        policy.observe_round(0, 2, 0, 0, 0.0, PLAIN)
+        policy.observe_round(0, 2, 2, 2, PLAIN)
+        policy.observe_round(0, 2, 0, 0, PLAIN)
     assert policy.acceptance(0)[0] == pytest.approx(0.5)
     assert policy.arms[0].fill < 1.0
 

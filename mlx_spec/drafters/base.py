@@ -88,8 +88,9 @@ class Drafter(ABC):
 
     def catch_up(self) -> None:  # noqa: B027
         """Feed what piled up while this drafter did not draft (plain steps, or another drafter
-        of a group), so that the next `draft` does drafting work only. Optional: drafters
-        without a cache ignore it, and `draft` must work without it."""
+        of a group), so that the next `draft` does drafting work only (a few tokens may stay:
+        they ride along with the first draft step). Optional: drafters without a cache ignore
+        it, and `draft` must work without it."""
 
     @abstractmethod
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:

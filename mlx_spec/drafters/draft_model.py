@@ -10,6 +10,8 @@ from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
 import mlx.core as mx
 import mlx.nn as nn
 
+CATCH_UP = 4  # pending tokens fed ahead of a draft; fewer ride along with its first step
+
 
 def context_budget(runner: ModelRunner, k: int, num_pending: int) -> int:
     """Drafts that fit the drafter's context: drafting k feeds pending + (k - 1) tokens."""
@@ -104,7 +106,7 @@ class DraftModelDrafter(Drafter):
         """Prefill every pending token but the last (which the next draft feeds)."""
         backlog = self._pending[:-1]
         limit = None if self.runner is None else self.runner.context_limit
-        if self._idle or not backlog or self._num_drafted:
+        if self._idle or len(backlog) < CATCH_UP or self._num_drafted:
             return
         if limit is not None and self.runner.length + len(self._pending) >= limit:
             return  # near the context limit: draft() decides what still fits

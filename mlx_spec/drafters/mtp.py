@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.drafters.draft_model import context_budget, draft_steps
+from mlx_spec.drafters.draft_model import CATCH_UP, context_budget, draft_steps
 from mlx_spec.models.mtp import MTPModule, target_hidden_size, target_layers
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
@@ -108,7 +108,7 @@ class MTPDrafter(Drafter):
     def catch_up(self) -> None:
         """Feed every pending pair but the last (which the next draft feeds)."""
         backlog = len(self._pending_tokens) - 1
-        if backlog <= 0 or self._num_drafted or self.runner is None:
+        if backlog < CATCH_UP or self._num_drafted or self.runner is None:
             return
         limit = self.runner.context_limit
         if limit is not None and self.runner.length + backlog + 1 >= limit:
