@@ -101,10 +101,15 @@ def _verify(logits: mx.array, draft, sampling: SamplingConfig):
 class _Decoder:
     """The state of one speculative generation: the pending token, what was produced, timing."""
 
-    def __init__(self, target, drafter, last, policy, sampling, max_tokens, stats, trace):
+    def __init__(self, target, drafter, last, policy, sampling, max_tokens, stats, trace, phases):
         self.target, self.drafter, self.policy = target, drafter, policy
         self.sampling, self.max_tokens, self.stats, self.trace = sampling, max_tokens, stats, trace
         self.last, self.produced = last, 0
+        self.phases = phases  # a PhaseTimer when the round is being profiled
+
+    def _mark(self, phase: str, *arrays) -> None:
+        if self.phases is not None:
+            self.phases.mark(phase, *arrays)
 
     def room(self) -> bool:
         left = room_left(self.target)
@@ -120,30 +125,40 @@ class _Decoder:
         """One draft -> verify round, settled when the consumer asks for more (or closes)."""
         target, drafter, sampling = self.target, self.drafter, self.sampling
         start = time.perf_counter()
+        self._mark("policy")
         drafter.select(arm)
         drafter.catch_up()  # a backlog from plain steps is not the cost of this round
+        self._mark("drafter catch-up")
         tic = time.perf_counter()
         draft = drafter.draft(k, sampling)
+        self._mark("drafting", draft.tokens, draft.probs)
         drafted = draft.tokens.size
         target.checkpoint(drafted + 1, single_call=True)
         inputs = mx.concatenate([mx.array([self.last], mx.uint32), draft.tokens.astype(mx.uint32)])
         num_accepted, next_token = _verify(target(inputs), draft, sampling)
         hidden = target.last_hidden if drafter.needs_hidden else None  # before any replay
+        self._mark("building the verify graph")
         mx.eval(num_accepted, next_token, draft.tokens)
+        self._mark("target pass + verification")
         n = num_accepted.item()
         tokens = draft.tokens.tolist()[:n] + [next_token.item()]
         rnd = Round(tokens, drafted, n, time.perf_counter() - start)
+        self._mark("reading the result")
         try:
             yield rnd
         finally:
             settle = time.perf_counter()
+            if self.phases is not None:
+                self.phases.start()
             keep = _settle(target, drafter, rnd, hidden)
             self._commit(rnd.tokens[:keep])
+            self._mark("rollback + drafter update")
             done = time.perf_counter()
             self.stats.rollback_seconds += done - settle
             spent = rnd.seconds - (tic - start) + done - settle  # the consumer's time left out
             self.policy.observe_round(arm, k, drafted, n, spent)
             self.stats.observe_choice(drafter.arm_names[arm], k)
+            self._mark("policy")
 
     def plain_stretch(self, count: int) -> Iterator[Round]:
         """Up to `count` plain decoding steps, pipelined: each step's pass is queued before the
@@ -203,6 +218,7 @@ def speculative_rounds(
     max_tokens: int,
     stats: SpecStats,
     trace: list[int] | None = None,
+    phases=None,
 ) -> Iterator[Round]:
     """Draft -> verify -> rollback rounds (and plain stretches, when the policy asks for them)
     until `max_tokens` or the context is used up.
@@ -211,10 +227,13 @@ def speculative_rounds(
     A round is settled (target rolled back to the kept tokens, drafter told) when the consumer
     asks for the next one or closes the generator, so that it can first cut the round with
     `Round.keep`. After settling, the caches hold the sequence up to its last kept token, which
-    is pending; `trace` (if given) gets the kept tokens.
+    is pending; `trace` (if given) gets the kept tokens. `phases` (a `profile.PhaseTimer`)
+    times the phases of every speculative round, adding synchronisations to split them.
     """
-    run = _Decoder(target, drafter, last, policy, sampling, max_tokens, stats, trace)
+    run = _Decoder(target, drafter, last, policy, sampling, max_tokens, stats, trace, phases)
     while run.room():
+        if phases is not None:
+            phases.start()
         limit = draft_budget(policy.max_draft, max_tokens - run.produced, target)
         choice = policy.choose(limit)
         if choice.plain_tokens:

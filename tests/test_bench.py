@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from mlx_spec import bench, cli
 from mlx_spec.stats import SpecStats
@@ -237,3 +238,25 @@ def test_mtp_drafter_found_beside_the_target(tmp_path, prompts_file):
     mtp = report.result("mtp", 2, 0.0)
     assert mtp.matches_plain and mtp.draft_cost > 0 and mtp.predicted_speedup > 0
     assert report.header["mtp"].endswith("mtp")
+
+
+def test_round_breakdown_script(checkpoints, tmp_path):
+    """benchmarks/round_breakdown.py on a tiny pair: one row per drafter and temperature, the
+    phases and the unaccounted rest adding up to the profiled round."""
+    target, draft = map(str, checkpoints["llama"])
+    out = tmp_path / "rounds.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "round_breakdown.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--model", target, "--draft-model", draft, "--quick",
+         "--num-prompts", "1", "--max-tokens", "24", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "| drafter | k | T |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["drafter"], r["k"]) for r in rows} == {("draft-model", 1), ("draft-model", 2),
+                                                       ("ngram", 4)}  # fmt: skip
+    for r in rows:
+        total = sum(r["phases_ms"].values())
+        assert total == pytest.approx(r["profiled_ms_per_round"], rel=1e-6)
+        assert r["phases_ms"]["target pass + verification"] > 0
