@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Literal
 
 from mlx_spec.api import GenerationChunk, encode_prompt, stream_generate
 from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
@@ -99,7 +99,16 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = True
     drafter: str | None = None
-    num_draft: Literal["auto"] | Annotated[int, Field(ge=0, le=MAX_NUM_DRAFT)] | None = None
+    num_draft: int | str | None = None
+
+    @field_validator("num_draft")
+    @classmethod
+    def _num_draft(cls, value):
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, int) and 0 <= value <= MAX_NUM_DRAFT:
+            return value
+        raise ValueError(f"must be 'auto' or an integer in [0, {MAX_NUM_DRAFT}]")
 
 
 class StreamOptions(BaseModel):

@@ -57,7 +57,9 @@ def target(checkpoints):
 
 def make_app(target, **config):
     model, tok, drafters = target
-    settings = dict(model_id=MODEL_ID, max_tokens_limit=LIMIT, default_drafter="draft-model")
+    settings = dict(
+        model_id=MODEL_ID, max_tokens_limit=LIMIT, default_drafter="draft-model", num_draft=4
+    )
     return create_app(model, tok, ServerConfig(**{**settings, **config}), drafters)
 
 
@@ -124,6 +126,7 @@ SPECULATION = {  # request's "speculative" field: the drafter that should run
     "ngram-k2": ({"drafter": "ngram", "num_draft": 2}, "ngram"),
     "k0": ({"num_draft": 0}, None),
     "draft-k6": ({"drafter": "draft-model", "num_draft": 6}, "draft-model"),
+    "auto": ({"drafter": "ngram", "num_draft": "auto"}, "ngram"),
 }
 
 
@@ -144,7 +147,8 @@ def test_completions_per_request_speculation(target, client, case):
     assert spec["drafter"] == drafter and spec["enabled"] == (drafter is not None)
     if drafter is not None:
         assert spec["num_draft"] == (speculative or {}).get("num_draft", 4)
-        assert spec["drafted_tokens"] > 0
+        assert sum(spec["k_histogram"].values()) == spec["target_passes"]
+        assert spec["drafted_tokens"] > 0 or spec["num_draft"] == "auto"
 
 
 def test_token_id_prompt_and_stop(target, client):
@@ -340,6 +344,13 @@ BAD = {  # name: (path, body (dict, or raw bytes), status, param, code)
     "num-draft-huge": (
         CHAT,
         {**OK_CHAT, "speculative": {"num_draft": 1000}},
+        400,
+        "speculative.num_draft",
+        None,
+    ),  # fmt: skip
+    "num-draft-word": (
+        CHAT,
+        {**OK_CHAT, "speculative": {"num_draft": "fast"}},
         400,
         "speculative.num_draft",
         None,
