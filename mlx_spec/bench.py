@@ -445,6 +445,9 @@ class TimedDrafter(Drafter):
     def select(self, arm: int) -> None:
         self.inner.select(arm)
 
+    def arms_available(self, k: int) -> list[int | None]:
+        return self.inner.arms_available(k)
+
     def catch_up(self) -> None:
         self.inner.catch_up()
 

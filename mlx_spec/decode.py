@@ -235,7 +235,7 @@ def speculative_rounds(
         if phases is not None:
             phases.start()
         limit = draft_budget(policy.max_draft, max_tokens - run.produced, target)
-        choice = policy.choose(limit)
+        choice = policy.choose(limit, drafter.arms_available(limit))
         if choice.plain_tokens:
             yield from run.plain_stretch(choice.plain_tokens)
         else:

@@ -41,8 +41,9 @@ class DraftPolicy:
 
     max_draft = 0  # the longest draft it may ask for
 
-    def choose(self, limit: int) -> Choice:
-        """The next round's choice; `limit` caps k (output budget and context)."""
+    def choose(self, limit: int, available: list[int | None] | None = None) -> Choice:
+        """The next round's choice; `limit` caps k (output budget and context); `available`,
+        per arm, how many drafts it can propose now (None: any number)."""
         raise NotImplementedError
 
     def observe_round(
@@ -65,7 +66,7 @@ class FixedDraftLength(DraftPolicy):
     def __init__(self, num_draft: int):
         self.num_draft = self.max_draft = num_draft
 
-    def choose(self, limit: int) -> Choice:
+    def choose(self, limit: int, available: list[int | None] | None = None) -> Choice:
         return Choice(0, min(self.num_draft, limit))
 
     def describe(self) -> str:
@@ -108,6 +109,12 @@ class _Arm:
     trials: list[float]  # ... that reached it (the drafts before it were kept)
     seconds: _Line = field(default_factory=_Line)  # round time against drafts verified
     fill: float = 1.0  # drafted / asked (a lookup drafter may find fewer than asked)
+
+
+def _cap(limit: int, available: list[int | None] | None, arm: int) -> int:
+    """The most drafts `arm` can be asked for: the limit, or fewer if it has fewer to offer."""
+    has = None if available is None else available[arm]
+    return limit if has is None else min(limit, has)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -208,24 +215,32 @@ class AdaptiveDraftLength(DraftPolicy):
 
     # --- choice ------------------------------------------------------------------------------
 
-    def _best(self, limit: int) -> tuple[float, int, int]:
-        ks = [min(self.fixed, limit)] if self.fixed is not None else range(1, limit + 1)
-        return max((self.rate(arm, k), arm, k) for arm in range(len(self.arms)) for k in ks)
+    def _best(self, limit: int, available) -> tuple[float, int, int] | None:
+        """(rate, arm, k) of the best round an arm can draft now, None if none can."""
+        options = []
+        for arm in range(len(self.arms)):
+            cap = _cap(limit, available, arm)
+            ks = range(1, cap + 1) if self.fixed is None else [min(self.fixed, cap)]
+            options += [(self.rate(arm, k), arm, k) for k in ks if k > 0]
+        return max(options) if options else None
 
-    def choose(self, limit: int) -> Choice:
+    def choose(self, limit: int, available: list[int | None] | None = None) -> Choice:
         limit = min(limit, self.max_draft)
         if self.fixed is not None:
-            return Choice(self._best(limit)[1], min(self.fixed, limit)) if limit else Choice()
+            best = self._best(limit, available)
+            return Choice(best[1], best[2]) if best else Choice(0, 0)
         if self.plain is None or self._rounds_since_plain >= self.refresh_every:
             return Choice(plain_tokens=self.first_plain)
-        if limit <= 0:
+        best = self._best(limit, available)
+        if best is None:  # no drafter has anything to offer (a lookup found nothing)
             return Choice(plain_tokens=1)
-        rate, arm, k = self._best(limit)
+        rate, arm, k = best
         if rate * self.plain > 1 + self.margin:
             self._since_spec, self._probe_every = 0, self.probe_min
             self._rounds += 1
             if self._rounds % self.explore_every == 0:  # a neighbouring k keeps its estimates fresh
-                k = max(1, min(limit, k + (1 if self._rounds // self.explore_every % 2 else -1)))
+                step = 1 if self._rounds // self.explore_every % 2 else -1
+                k = max(1, min(_cap(limit, available, arm), k + step))
             return Choice(arm, k)
         if self._since_spec >= self._probe_every:  # probe: it may win now
             self._since_spec = 0

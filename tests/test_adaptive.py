@@ -30,7 +30,7 @@ class ScriptedPolicy(DraftPolicy):
         self.rng = random.Random(seed)
         self.choices: list[Choice] = []
 
-    def choose(self, limit: int) -> Choice:
+    def choose(self, limit: int, available=None) -> Choice:
         if limit == 0 or self.rng.random() < 0.3:
             choice = Choice(plain_tokens=self.rng.randint(1, 5))
         else:
@@ -106,7 +106,7 @@ def test_reply_closed_inside_a_plain_stretch(loaded, family, kind, cut):
     class Stretches(ScriptedPolicy):
         """Plain stretches of 6 steps between rounds of 3 drafts."""
 
-        def choose(self, limit):
+        def choose(self, limit, available=None):
             self.choices.append(None)
             return Choice(plain_tokens=6) if len(self.choices) % 2 else Choice(0, min(3, limit))
 

@@ -172,3 +172,17 @@ def test_fewer_drafts_than_asked_count_as_rejections():
 def test_bad_settings():
     with pytest.raises(ValueError, match="max_draft"):
         AdaptiveDraftLength(0)
+
+
+def test_only_drafters_with_something_to_offer_are_chosen():
+    """A lookup drafter (arm 1, free and always right when it finds a match) that has nothing
+    now is passed over for the model drafter; with one draft available k is capped at one;
+    with no drafter available the round is one plain step."""
+    policy = AdaptiveDraftLength(4, arms=2)
+    simulate(policy, [0.6, 1.0], [0.2 * PLAIN, 0.0], rounds=60)
+    assert policy.choose(4, [None, 3]).arm == 1
+    assert policy.choose(4, [None, 0]).arm == 0
+    for _ in range(40):  # exploration of neighbouring k included
+        choice = policy.choose(4, [None, 1])
+        assert choice.arm == 0 or choice.num_draft == 1
+    assert policy.choose(4, [0, 0]) == Choice(plain_tokens=1)

@@ -45,6 +45,15 @@ class Drafter(ABC):
     def select(self, arm: int) -> None:  # noqa: B027
         """Draft the next round with drafter `arm` of `arm_names` (a group switches)."""
 
+    def available(self, k: int) -> int | None:
+        """How many of k drafts this drafter can propose now, when it can tell without drafting
+        (a lookup that may find nothing); None: all k."""
+        return None
+
+    def arms_available(self, k: int) -> list[int | None]:
+        """`available(k)` of each arm (a group answers for each of its drafters)."""
+        return [self.available(k)]
+
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:  # noqa: B027
         """Raise ValueError if this drafter cannot serve this target and tokenizer."""
 

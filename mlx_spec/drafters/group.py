@@ -41,6 +41,9 @@ class DrafterGroup(Drafter):
     def select(self, arm: int) -> None:
         self._active = arm
 
+    def arms_available(self, k: int) -> list[int | None]:
+        return [d.available(k) for d in self.drafters]
+
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:
         for d in self.drafters:
             d.check_compatible(target, tokenizer, vocab_size)

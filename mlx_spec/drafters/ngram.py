@@ -41,6 +41,7 @@ class NgramDrafter(Drafter):
         self.min_ngram = min_ngram
         self._buf = np.zeros(0, np.int64)
         self._len = 0
+        self._found: tuple[int, np.ndarray] | None = None  # (k, lookup) for the current history
 
     def begin(self, prompt: list[int], vocab_size: int, hidden=None) -> None:
         self._buf = np.zeros(max(1024, 2 * len(prompt)), np.int64)
@@ -54,6 +55,7 @@ class NgramDrafter(Drafter):
         return True
 
     def _extend(self, tokens: list[int]) -> None:
+        self._found = None  # the history changes
         if self._len + len(tokens) > self._buf.size:
             grown = np.zeros(2 * (self._len + len(tokens)), np.int64)
             grown[: self._len] = self._buf[: self._len]
@@ -61,11 +63,21 @@ class NgramDrafter(Drafter):
         self._buf[self._len : self._len + len(tokens)] = tokens
         self._len += len(tokens)
 
+    def _lookup(self, k: int) -> np.ndarray:
+        """The continuation for up to k drafts; one search per history serves every k up to the
+        largest asked (a shorter k takes the first tokens of the same match)."""
+        if self._found is None or self._found[0] < k:
+            history = self._buf[: self._len]
+            self._found = (k, find_continuation(history, k, self.max_ngram, self.min_ngram))
+        return self._found[1][:k]
+
+    def available(self, k: int) -> int:
+        return int(self._lookup(k).size) if k > 0 else 0
+
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         if k <= 0:
             return Draft.empty()
-        found = find_continuation(self._buf[: self._len], k, self.max_ngram, self.min_ngram)
-        return Draft(mx.array(found.astype(np.uint32)))
+        return Draft(mx.array(self._lookup(k).astype(np.uint32)))
 
     def accept(self, num_accepted: int, emitted: list[int], hidden=None) -> None:
         self._extend(emitted)
