@@ -303,6 +303,9 @@ def stage_refine(args) -> None:
         "draft-mlx": ["--init", str(draft)],
     }
     for out, extra in runs.items():
+        if (WORK / out / "distill.json").is_file():  # finished: `rm -r` it to train again
+            print(f"{out}: already distilled")
+            continue
         if not (WORK / out / ".distill-checkpoint").exists():
             (WORK / out).mkdir(parents=True, exist_ok=True)
             shutil.copy(shared / DATA_CACHE, WORK / out / DATA_CACHE)
