@@ -1,7 +1,9 @@
 """The benchmark harness behind `mlx-spec bench`: tokens/s of every decoding mode, A/B.
 
-A configuration is a decoding mode, a number of drafts per round k and a temperature. The modes
-are plain decoding (`plain`), mlx-spec with each drafter (`draft-model`, `ngram`, `mtp`), and
+A configuration is a decoding mode, a number of drafts per round k (or `"auto"`: the adaptive
+policy picks k in 0..max_draft every round) and a temperature. The modes are plain decoding
+(`plain`), mlx-spec with each drafter (`draft-model`, `ngram`, `mtp`), all of them as one
+group chosen between every round (`all`, auto only), and
 mlx-lm's own speculative decoding with the same draft model (`mlx-lm`, the peer:
 `mlx_lm.stream_generate(..., draft_model=..., num_draft_tokens=k, sampler=make_sampler(temp=T))`).
 Only the mode changes between configurations: the prompts, the number of generated tokens, the
@@ -51,6 +53,9 @@ What is measured, per configuration (identically for mlx-spec and mlx-lm, from t
   first round as prompt time. Median over generations.
 - `peak_memory_mb`: `mx.get_peak_memory()` during one generation (reset before it; weights
   included), the largest over a repeat's prompts, median over repeats.
+- `k_histogram` (auto rows): rounds per k asked for, k = 0 counting plain decoding steps;
+  `drafter_rounds`: the group's rounds per drafter; `vs_best_fixed_k`: the auto row's
+  tokens/s over the best fixed k of the same mode and temperature in the same run.
 - `rollback_ms`: mlx-spec's time restoring the caches after verification
   (`SpecStats.rollback_seconds`) per generation, median; `rollback_share` is its share of the
   decode time. mlx-lm's rollback happens inside its generator and is not measured (None).

@@ -49,18 +49,23 @@ def rejection_verify(
     k = draft_tokens.shape[0]
     if k == 0:
         return mx.array(0, mx.int32), sample(target_probs[0])
-    rows = mx.arange(k)
     if draft_probs is None:
         vocab_ids = mx.arange(target_probs.shape[-1])[None]
         draft_probs = (vocab_ids == draft_tokens[:, None]).astype(mx.float32)  # [k, vocab]
+    rows = mx.arange(k)
     p_draft = target_probs[rows, draft_tokens]  # [k]
     q_draft = draft_probs[rows, draft_tokens]  # [k]
     u = mx.random.uniform(shape=(k,))
     accepted = (u * q_draft < p_draft).astype(mx.int32)  # u < p/q without dividing by q
     num_accepted = mx.cumprod(accepted).sum()
-    residual = mx.maximum(target_probs[:k] - draft_probs, 0.0)  # [k, vocab]
-    mass = residual.sum(axis=-1, keepdims=True)
-    # p == q up to rounding leaves no residual mass; the target row is then the exact answer.
-    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), target_probs[:k])
-    candidates = mx.concatenate([residual, target_probs[k:]], axis=0)  # [k+1, vocab]
-    return num_accepted, sample(candidates[num_accepted])
+    candidates = mx.concatenate([residual(target_probs[:k], draft_probs), target_probs[k:]])
+    return num_accepted, sample(candidates[num_accepted])  # [k+1, vocab] -> the row to draw
+
+
+def residual(target_probs: mx.array, draft_probs: mx.array) -> mx.array:
+    """norm(max(0, target_probs - draft_probs)) row-wise, `[k, vocab]`: what a rejected
+    position's token is drawn from. Where p == q up to rounding leaves no mass, the target's
+    row is the exact answer."""
+    left = mx.maximum(target_probs - draft_probs, 0.0)
+    mass = left.sum(axis=-1, keepdims=True)
+    return mx.where(mass > 0, left / mx.maximum(mass, 1e-30), target_probs)

@@ -6,6 +6,9 @@ Stages (each resumable; run them in order, or `all`):
   convert    the target converted to MLX with `mlx-spec convert` (for distillation)
   draft      a small draft model distilled with `mlx-spec distill`
   mtp        an MTP head distilled with `mlx-spec distill --kind mtp --mtp-family mimo`
+  refine     (instead of draft and mtp) train the shipped pair's drafters further: each starts
+             from the shipped weights (`mlx-spec distill --init`) and trains on the training
+             files plus the target's own continuations of windows of them (`--target-tokens`)
   export     both written in Hugging Face layout: the target as MiMo (its MTP layer under
              `model.mtp_layers.0.*`, so the real MTP conversion path serves it) and the draft
 
@@ -14,9 +17,17 @@ A fixed list of files is held out for evaluation and never trained on. Requires 
 
     python scripts/train_embedded_pair.py all --total-steps 880 --distill-steps 400
 
-(the recipe of the shipped pair: 880 target steps of 16 x 256 tokens, about 1.1 epochs, then
-400 distillation steps for each drafter; `mlx_spec/demo_pair/training.json` holds its logs),
-or `--minutes N` instead of `--total-steps` to fit a time budget.
+(the first recipe: 880 target steps of 16 x 256 tokens, about 1.1 epochs, then 400
+distillation steps for each drafter), or `--minutes N` instead of `--total-steps` to fit a time
+budget. The shipped drafters were then refined, the MTP head for 2000 steps and the draft model
+for 1000, on the training files plus a million tokens of the target's own text:
+
+    python scripts/train_embedded_pair.py refine --distill-steps 2000 --target-tokens 1000000
+    rm -r $MLX_SPEC_TRAIN_DIR/draft-mlx   # (the MTP head, finished, is skipped)
+    python scripts/train_embedded_pair.py refine --distill-steps 1000 --target-tokens 1000000
+    python scripts/train_embedded_pair.py export
+
+`mlx_spec/demo_pair/training.json` holds the logs of every round.
 
 Work files (checkpoints, converted models) go to $MLX_SPEC_TRAIN_DIR, else build/embedded;
 the target stage resumes from its checkpoint there (`--total-steps` extends a finished run).
@@ -228,33 +239,25 @@ def _train_dir() -> Path:
     return folder
 
 
-def _distill(args, out: str, *extra: str) -> None:
-    common = [
-        "--model",
-        str(WORK / "target-mlx"),
-        "--out",
-        str(WORK / out),
-        "--data",
-        str(_train_dir()),
-        "--holdout",
-        str(_heldout_dir()),
-        "--steps",
-        str(args.distill_steps),
-        "--seq-len",
-        "256",
-        "--batch-size",
-        "8",
+def _distill(args, model: Path, out: str, *extra: str) -> None:
+    """`mlx-spec distill` on the training files, evaluated on the held-out ones."""
+    _mlx_spec(
+        "distill",
+        *("--model", str(model), "--out", str(WORK / out)),
+        *("--data", str(_train_dir()), "--holdout", str(_heldout_dir())),
+        *("--steps", str(args.distill_steps), "--seq-len", "256", "--batch-size", "8"),
+        *("--lr", str(args.distill_lr), "--target-tokens", str(args.target_tokens)),
         "--force",
-    ]
-    _mlx_spec("distill", *common, *extra)
+        *extra,
+    )
 
 
 def stage_draft(args) -> None:
-    _distill(args, "draft-mlx", "--hidden-size", "256", "--layers", "2")
+    _distill(args, WORK / "target-mlx", "draft-mlx", "--hidden-size", "256", "--layers", "2")
 
 
 def stage_mtp(args) -> None:
-    _distill(args, "mtp-mlx", "--kind", "mtp", "--mtp-family", "mimo")
+    _distill(args, WORK / "target-mlx", "mtp-mlx", "--kind", "mtp", "--mtp-family", "mimo")
 
 
 def stage_refine(args) -> None:
@@ -279,25 +282,6 @@ def stage_refine(args) -> None:
             0,
             args.target_tokens,
         )
-    common = [
-        "--model",
-        str(target),
-        "--data",
-        str(_train_dir()),
-        "--holdout",
-        str(_heldout_dir()),
-        "--steps",
-        str(args.distill_steps),
-        "--seq-len",
-        "256",
-        "--batch-size",
-        "8",
-        "--lr",
-        str(args.distill_lr),
-        "--target-tokens",
-        str(args.target_tokens),
-        "--force",
-    ]
     runs = {
         "mtp-mlx": ["--kind", "mtp", "--mtp-family", "mimo", "--init", str(target)],
         "draft-mlx": ["--init", str(draft)],
@@ -309,7 +293,7 @@ def stage_refine(args) -> None:
         if not (WORK / out / ".distill-checkpoint").exists():
             (WORK / out).mkdir(parents=True, exist_ok=True)
             shutil.copy(shared / DATA_CACHE, WORK / out / DATA_CACHE)
-        _mlx_spec("distill", *common, "--out", str(WORK / out), *extra)
+        _distill(args, target, out, *extra)
 
 
 def stage_export(args) -> None:

@@ -150,41 +150,35 @@ class OracleDrafter(Drafter):
         self.pos += len(emitted)
 
 
-def test_controller_settles_on_k_max_for_an_always_right_drafter(loaded):
+def oracle_run(loaded, n: int, wrong_after=None, **kwargs):
+    """Chunks of a generation by `OracleDrafter` (checked to equal plain decoding) and stats."""
     entry = no_eos(loaded["llama"])
-    n = 240
     continuation = plain(entry, PROMPT, n)
-    out = mlx_spec.generate(
-        entry[0], entry[1], PROMPT, drafter=OracleDrafter(continuation), max_draft=6, max_tokens=n
+    drafter = OracleDrafter(continuation, wrong_after)
+    chunks = list(
+        mlx_spec.stream_generate(
+            entry[0], entry[1], PROMPT, drafter=drafter, max_tokens=n, **kwargs
+        )
     )
-    assert out.tokens == continuation
-    hist = out.stats.k_histogram
-    assert hist.get(6, 0) >= 20, hist  # most rounds at K once it has seen enough
-    assert out.stats.acceptance_rate == 1.0
+    assert [c.token for c in chunks[:-1]] == continuation
+    return chunks[:-1], chunks[-1].stats
+
+
+def test_controller_settles_on_k_max_for_an_always_right_drafter(loaded):
+    _, stats = oracle_run(loaded, 240, max_draft=6)
+    assert stats.k_histogram.get(6, 0) >= 20, stats.k_histogram  # most rounds, once it has seen
+    assert stats.acceptance_rate == 1.0
 
 
 def test_controller_settles_on_plain_for_a_never_right_drafter(loaded):
-    entry = no_eos(loaded["llama"])
-    n = 240
-    continuation = plain(entry, PROMPT, n)
-    drafter = OracleDrafter(continuation, wrong_after=0)
-    out = mlx_spec.generate(entry[0], entry[1], PROMPT, drafter=drafter, max_tokens=n)
-    assert out.tokens == continuation
-    hist = out.stats.k_histogram
-    assert hist.get(0, 0) >= 0.9 * n, hist  # plain steps, but for a few probes
-    assert out.stats.accepted == 0
+    _, stats = oracle_run(loaded, 240, wrong_after=0)
+    assert stats.k_histogram.get(0, 0) >= 0.9 * 240, stats.k_histogram  # but for a few probes
+    assert stats.accepted == 0
 
 
 def test_controller_follows_a_drafter_that_stops_being_right(loaded):
     """Right for 60 tokens, wrong afterwards: k = K early on, plain decoding at the end."""
-    entry = no_eos(loaded["llama"])
-    n = 300
-    continuation = plain(entry, PROMPT, n)
-    drafter = OracleDrafter(continuation, wrong_after=60)
-    stream = mlx_spec.stream_generate(entry[0], entry[1], PROMPT, drafter=drafter, max_tokens=n)
-    chunks = list(stream)
-    assert [c.token for c in chunks[:-1]] == continuation
-    stats = chunks[-1].stats
+    chunks, stats = oracle_run(loaded, 300, wrong_after=60)
     assert stats.k_histogram.get(0, 0) >= 180
     assert sum(c.from_draft for c in chunks[:60]) >= 30
     assert sum(v for k, v in stats.k_histogram.items() if k > 0) <= 80

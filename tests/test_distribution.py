@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx_spec
 import mlx_spec.decode
+import mlx_spec.verify
 from mlx_spec import DraftModelDrafter
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.policy import AdaptiveDraftLength
@@ -119,20 +120,10 @@ def always_accept(target_probs, draft_probs, draft_tokens):
     return mx.array(k), sample(target_probs[k])
 
 
-def recover_from_target(target_probs, draft_probs, draft_tokens):
-    """rejection_verify with one bug: after a rejection the token is drawn from the target's
-    distribution, not from the residual norm(max(0, p - q))."""
-    k = draft_tokens.shape[0]
-    if k == 0:
-        return mx.array(0, mx.int32), sample(target_probs[0])
-    rows = mx.arange(k)
-    if draft_probs is None:
-        vocab_ids = mx.arange(target_probs.shape[-1])[None]
-        draft_probs = (vocab_ids == draft_tokens[:, None]).astype(mx.float32)
-    ratio_ok = mx.random.uniform(shape=(k,)) * draft_probs[rows, draft_tokens]
-    accepted = (ratio_ok < target_probs[rows, draft_tokens]).astype(mx.int32)
-    num_accepted = mx.cumprod(accepted).sum()
-    return num_accepted, sample(target_probs[num_accepted])
+def recover_from_target(target_probs, draft_probs):
+    """A stand-in for `verify.residual` with one bug: a rejected position's token is drawn
+    from the target's distribution, not from norm(max(0, p - q))."""
+    return target_probs
 
 
 CONFIGS = [
@@ -193,13 +184,19 @@ def test_adaptive_draft_length_keeps_the_distribution(pair, kind):
     assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) > ALPHA
 
 
+NEGATIVE_CONTROLS = {  # (module, name, stand-in)
+    "gross": (mlx_spec.decode, "rejection_verify", always_accept),
+    "subtle": (mlx_spec.verify, "residual", recover_from_target),
+}
+
+
 @pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
-@pytest.mark.parametrize("verifier", [always_accept, recover_from_target], ids=["gross", "subtle"])
-def test_negative_controls_fail(pair, monkeypatch, kind, verifier):
+@pytest.mark.parametrize("control", NEGATIVE_CONTROLS)
+def test_negative_controls_fail(pair, monkeypatch, kind, control):
     """The same test rejects a verifier that accepts every draft (gross) and one that recovers
     from the target's distribution instead of the residual (subtle)."""
     model, tok = pair[:2]
-    monkeypatch.setattr(mlx_spec.decode, "rejection_verify", verifier)
+    monkeypatch.setattr(*NEGATIVE_CONTROLS[control])
     samples = sampled(model, tok, factory(kind, pair), CONFIGS[0])
     assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) < ALPHA
 

@@ -30,7 +30,7 @@ from chisquare import chisquare_pvalue, exact_sequences, reference_probs
 from conftest import with_eos
 from mlx_lm.models.cache import RotatingKVCache
 from safetensors.torch import load_file, save_file
-from test_distribution import always_accept, recover_from_target
+from test_distribution import NEGATIVE_CONTROLS
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
 WINDOW = 6  # target and assistant sliding window; generations run well past it
@@ -406,13 +406,13 @@ def test_three_token_distribution_matches_target(small):
     assert chisquare_pvalue(samples, expected) > 1e-3
 
 
-@pytest.mark.parametrize("verifier", [always_accept, recover_from_target], ids=["gross", "subtle"])
-def test_negative_controls_fail(small, monkeypatch, verifier):
+@pytest.mark.parametrize("control", NEGATIVE_CONTROLS)
+def test_negative_controls_fail(small, monkeypatch, control):
     """The same test rejects a verifier that accepts every draft (the assistant's own
     distribution then leaks into the output) and one that recovers from the target's
     distribution instead of the residual."""
     model, tok, drafter = small
-    monkeypatch.setattr(mlx_spec.decode, "rejection_verify", verifier)
+    monkeypatch.setattr(*NEGATIVE_CONTROLS[control])
     samples = three_token_samples(model, tok, drafter, 1500)
     expected = exact_three_tokens(model, tm.tokenizer_size(ALPHABET))
     assert chisquare_pvalue(samples, expected) < 1e-3
