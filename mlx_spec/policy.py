@@ -202,11 +202,15 @@ class AdaptiveDraftLength(DraftPolicy):
         return total
 
     def round_seconds(self, arm: int, k: int) -> float:
-        """Predicted seconds of a round asking `arm` for k drafts (a lookup drafter that finds
-        fewer than asked is charged for what it usually finds)."""
+        """Predicted seconds of a round asking `arm` for k drafts (a drafter that proposes
+        fewer than asked is charged for what it usually proposes)."""
+        return self._seconds_at(arm, k * self.arms[arm].fill)
+
+    def _seconds_at(self, arm: int, drafted: float) -> float:
+        """Seconds of a round of `arm` that verifies `drafted` drafts."""
         plain = self.plain or 1.0
         prior = (1.05 * plain, 0.3 * plain)  # a pass over 2 tokens, a drafter of 0.2 steps
-        seconds = self.arms[arm].seconds.at(k * self.arms[arm].fill, prior, 0.01 * plain)
+        seconds = self.arms[arm].seconds.at(drafted, prior, 0.01 * plain)
         return max(seconds, 0.5 * plain)  # a round is at least a target pass
 
     def rate(self, arm: int, k: int) -> float:
@@ -266,7 +270,7 @@ class AdaptiveDraftLength(DraftPolicy):
             a.trials[i] += 1.0
             a.hits[i] += float(i < accepted)
         a.fill = _ema(a.fill, drafted / asked, self.alpha)
-        predicted = self.round_seconds(arm, drafted) if a.seconds.sums[0] > 0 else seconds
+        predicted = self._seconds_at(arm, drafted) if a.seconds.sums[0] > 0 else seconds
         a.seconds.add(drafted, min(seconds, 3 * predicted), keep=self.decay)
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
