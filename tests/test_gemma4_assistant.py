@@ -216,6 +216,23 @@ def test_greedy_equals_plain(gemma, k):
     assert 0 < result.stats.accepted < result.stats.drafted
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_equals_plain_while_k_moves(gemma, seed):
+    """Plain stretches between rounds of 1-4 drafts (the assistant follows the plain steps'
+    tokens and hidden states), and the adaptive policy: still plain decoding's output."""
+    from test_adaptive import ScriptedPolicy
+
+    model, tok = gemma["target"]
+    drafter = load_gemma4_assistant(gemma["copy"][0], model)
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=60).tokens
+    for num_draft in (ScriptedPolicy(seed=seed), "auto"):
+        result = mlx_spec.generate(
+            model, tok, PROMPT, drafter=drafter, num_draft=num_draft, max_tokens=60
+        )
+        assert result.tokens == plain
+    assert result.stats.k_histogram.get(0, 0) >= 4
+
+
 @pytest.mark.parametrize("prompt", [PROMPT, [3]], ids=["prompt", "one-token-prompt"])
 def test_greedy_equals_plain_centroid_head(gemma, prompt):
     """Same with the centroid head; a one-token prompt has no hidden state for round one."""
