@@ -502,7 +502,11 @@ def _add_chat(sub) -> None:
         "target and drafter carry over. Reads lines from standard input; /stats, /reset, "
         "/help, /quit. Ctrl-C stops a reply, not the conversation.",
     )
-    p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
+    p.add_argument(
+        "--model",
+        help="target: MLX model directory or hub id (default: the embedded demo pair, with its "
+        "three drafters chosen between every round)",
+    )
     _add_drafter_flags(p)
     _add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -516,6 +520,8 @@ def cmd_chat(args) -> int:
     from mlx_spec.session import Session
 
     _blas.warn_if_slow()
+    if args.model is None:
+        _demo_defaults(args)
     model, tokenizer = mlx_spec.load(args.model)
     session = Session(
         model,
@@ -544,7 +550,11 @@ def _add_serve(sub) -> None:
         '"speculative": {"enabled": true, "drafter": "ngram", "num_draft": 4}; '
         "usage.speculative reports acceptance and speed.",
     )
-    p.add_argument("--model", required=True, help="target: MLX model directory or hub id")
+    p.add_argument(
+        "--model",
+        help="target: MLX model directory or hub id (default: the embedded demo pair; requests "
+        "draft with all its drafters, chosen between every round, unless they say otherwise)",
+    )
     _add_drafter_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -578,18 +588,25 @@ def cmd_serve(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     _blas.warn_if_slow()
+    demo = args.model is None
+    if demo:
+        _demo_defaults(args)
+        if getattr(args, "all_drafters", None):  # every drafter of the pair, "all" by default
+            args.draft_model, args.mtp = args.all_drafters[0], ""
     model, tokenizer = mlx_spec.load(args.model)
     mtp = None if args.mtp is None else (args.mtp or args.model)
     drafters = drafter_factories(
         model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant
     )
     default = next(
-        (name for name, flag in [("draft-model", args.draft_model), ("ngram", args.ngram),
+        (name for name, flag in [("all", getattr(args, "all_drafters", None)),
+                                 ("draft-model", args.draft_model), ("ngram", args.ngram),
                                  ("mtp", mtp), ("gemma4-assistant", args.assistant)] if flag),
         None,
     )  # fmt: skip
     config = ServerConfig(
-        model_id=args.model_id or os.path.basename(os.path.normpath(args.model)),
+        model_id=args.model_id
+        or ("mlx-spec-demo" if demo else os.path.basename(os.path.normpath(args.model))),
         api_key=args.api_key,
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,

@@ -28,6 +28,7 @@ from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
+from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.runner import context_limit
@@ -484,6 +485,9 @@ def drafter_factories(
         draft_model: a draft model directory or hub id.
         mtp: an MTP drafter directory, or the converted target directory holding `mtp/`.
         assistant: a Gemma 4 assistant directory.
+    Returns:
+        One factory per drafter given (n-gram lookup always), and "all": a `DrafterGroup` of
+        them, when there are two or more.
     """
     from mlx_spec.api import load, load_mtp_drafter
     from mlx_spec.drafters.gemma4_assistant import (
@@ -504,6 +508,9 @@ def drafter_factories(
         loaded = load_gemma4_assistant(assistant, model)
         loaded.check_compatible(model, tokenizer, vocab)
         out["gemma4-assistant"] = lambda: Gemma4AssistantDrafter(loaded.assistant, model)
+    if len(out) > 1:  # every drafter at once: the policy picks one each round
+        makers = list(out.values())
+        out["all"] = lambda: DrafterGroup([make() for make in makers])
     return out
 
 

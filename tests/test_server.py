@@ -127,6 +127,7 @@ SPECULATION = {  # request's "speculative" field: the drafter that should run
     "k0": ({"num_draft": 0}, None),
     "draft-k6": ({"drafter": "draft-model", "num_draft": 6}, "draft-model"),
     "auto": ({"drafter": "ngram", "num_draft": "auto"}, "ngram"),
+    "all": ({"drafter": "all", "num_draft": "auto"}, "ngram+draft-model"),
 }
 
 
