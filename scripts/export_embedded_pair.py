@@ -91,9 +91,13 @@ def training_record(work: Path, previous: dict) -> dict:
         report = json.loads((work / f"{name}-mlx" / "distill.json").read_text())
         keys = ("kind", "steps", "config", "seconds", "before", "after", "target_tokens", "init")
         record[name] = {k: report[k] for k in keys if k in report}
-        if report.get("init") and name in previous:
-            old = previous[name]
+        if report.get("init"):  # a directory of this machine: say what it was instead
+            record[name]["init"] = "the drafter shipped before (trained further)"
+        old = dict(previous.get(name, {}))
+        if report.get("init") and old.get("after") != report["after"]:  # not this run again
             record[name]["earlier"] = [*old.pop("earlier", []), old]
+        elif "earlier" in old:
+            record[name]["earlier"] = old["earlier"]
     return record
 
 
