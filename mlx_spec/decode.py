@@ -106,6 +106,7 @@ class _Decoder:
         self.sampling, self.max_tokens, self.stats, self.trace = sampling, max_tokens, stats, trace
         self.last, self.produced = last, 0
         self.phases = phases  # a PhaseTimer when the round is being profiled
+        self._last_arm: int | None = None  # the arm of the last round (None: plain steps)
 
     def _mark(self, phase: str, *arrays) -> None:
         if self.phases is not None:
@@ -127,9 +128,13 @@ class _Decoder:
         start = time.perf_counter()
         self._mark("policy")
         drafter.select(arm)
-        drafter.catch_up()  # a backlog from plain steps is not the cost of this round
+        drafter.catch_up()
         self._mark("drafter catch-up")
         tic = time.perf_counter()
+        # Catching up on plain steps is the price of keeping speculation on hand, paid whatever
+        # is chosen; catching up on another drafter's rounds is the price of switching to this one.
+        switching = self._last_arm is not None and self._last_arm != arm
+        self._last_arm = arm
         draft = drafter.draft(k, sampling)
         self._mark("drafting", draft.tokens, draft.probs)
         drafted = draft.tokens.size
@@ -155,7 +160,7 @@ class _Decoder:
             self._mark("rollback + drafter update")
             done = time.perf_counter()
             self.stats.rollback_seconds += done - settle
-            spent = rnd.seconds - (tic - start) + done - settle  # the consumer's time left out
+            spent = rnd.seconds - (0.0 if switching else tic - start) + done - settle
             self.policy.observe_round(arm, k, drafted, n, spent)
             self.stats.observe_choice(drafter.arm_names[arm], k)
             self._mark("policy")
@@ -176,6 +181,7 @@ class _Decoder:
         rnd, ahead, settled, spent = None, None, True, 0.0
         try:
             for i in range(count):
+                self._last_arm = None
                 ahead = self._plain_step(token) if i < count - 1 else None
                 rnd = Round([token.item()], 0, 0, time.perf_counter() - tic)
                 spent += rnd.seconds

@@ -137,7 +137,8 @@ class AdaptiveDraftLength(DraftPolicy):
         idle_decay: every round multiplies the counts of the other arms by this, so a drafter
             that lost long ago is tried again.
         alpha: weight of a new timing in the running averages.
-        margin: speculation must promise this much more than plain decoding to be chosen.
+        margin: speculation must promise this much more than plain decoding to be taken up,
+            and this much less to be left (a band against flip-flopping on noisy timings).
         first_plain: plain steps that start a generation (they measure the plain step).
         refresh_every: after this many speculative rounds without plain steps, a stretch of
             `first_plain` plain steps measures the plain step again (the machine's load and the
@@ -163,7 +164,7 @@ class AdaptiveDraftLength(DraftPolicy):
         first_plain: int = 4,
         refresh_every: int = 64,
         explore_every: int = 16,
-        probe_min: int = 8,
+        probe_min: int = 4,
         probe_max: int = 32,
     ):
         if max_draft < 1:
@@ -181,6 +182,7 @@ class AdaptiveDraftLength(DraftPolicy):
         self._probe_every = probe_min
         self._rounds_since_plain = 0
         self._rounds = 0  # speculative rounds chosen for their rate
+        self._speculating = False  # the last choice was a speculative round that won
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -239,7 +241,8 @@ class AdaptiveDraftLength(DraftPolicy):
         if best is None:  # no drafter has anything to offer (a lookup found nothing)
             return Choice(plain_tokens=1)
         rate, arm, k = best
-        if rate * self.plain > 1 + self.margin:
+        self._speculating = rate * self.plain > 1 + (-1 if self._speculating else 1) * self.margin
+        if self._speculating:
             self._since_spec, self._probe_every = 0, self.probe_min
             self._rounds += 1
             if self._rounds % self.explore_every == 0:  # a neighbouring k keeps its estimates fresh

@@ -140,3 +140,18 @@ def test_chat_without_model_flags(pair):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "drafter ngram+draft-model+mtp k=auto" in proc.stdout + proc.stderr
+
+
+def test_retrained_weights_of_the_same_shapes_are_converted_again(tmp_path):
+    """The conversion cache is keyed by the files' bytes, not their sizes: a drafter trained
+    further (same shapes) must not be served from the old conversion."""
+    from mlx_spec import embedded
+
+    pair = tmp_path / "pair"
+    for name in ("target", "draft"):
+        (pair / name).mkdir(parents=True)
+        (pair / name / "config.json").write_text("{}")
+        (pair / name / "model.safetensors").write_bytes(b"\0" * 64)
+    before = embedded._fingerprint(pair / "target")
+    (pair / "target" / "model.safetensors").write_bytes(b"\1" * 64)  # same size, new weights
+    assert embedded._fingerprint(pair / "target") != before

@@ -69,8 +69,8 @@ def test_never_right_drafter_settles_on_plain_decoding():
     first = next(i for i, c in enumerate(choices) if c.plain_tokens and i > 0)
     assert first < 5
     stretches = [c.plain_tokens for c in choices[first:] if c.plain_tokens]
-    assert stretches[:3] == [8, 16, 32]
-    assert set(stretches[3:]) == {policy.probe_max} == {32}
+    assert stretches[:4] == [4, 8, 16, 32]
+    assert set(stretches[4:]) == {policy.probe_max} == {32}
     probes = [c for c in choices[first:] if not c.plain_tokens]
     assert all(c.num_draft == 1 for c in probes)
     assert len(probes) <= len(stretches)
