@@ -137,9 +137,9 @@ class AdaptiveDraftLength(DraftPolicy):
         idle_decay: every round multiplies the counts of the other arms by this, so a drafter
             that lost long ago is tried again.
         alpha: weight of a new timing in the running averages.
-        margin: speculation must promise this much more than plain decoding to be taken up;
-            it is left when it promises no more than plain decoding (the band between keeps
-            noisy timings from flip-flopping the choice).
+        margin: speculation must promise this much more than plain decoding to be taken up,
+            and half as much to be kept (the band between keeps noisy timings from
+            flip-flopping the choice; a gain within the timings' noise is not worth chasing).
         first_plain: plain steps that start a generation (they measure the plain step).
         refresh_every: after this many speculative rounds without plain steps, a stretch of
             `first_plain` plain steps measures the plain step again (the machine's load and the
@@ -242,7 +242,8 @@ class AdaptiveDraftLength(DraftPolicy):
         if best is None:  # no drafter has anything to offer (a lookup found nothing)
             return Choice(plain_tokens=1)
         rate, arm, k = best
-        self._speculating = rate * self.plain > 1 + (0.0 if self._speculating else self.margin)
+        needed = self.margin / 2 if self._speculating else self.margin
+        self._speculating = rate * self.plain > 1 + needed
         if self._speculating:
             self._since_spec, self._probe_every = 0, self.probe_min
             self._rounds += 1
