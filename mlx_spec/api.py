@@ -38,6 +38,7 @@ class GenerationChunk:
     from_draft: bool = False
     finish_reason: str | None = None
     stats: SpecStats | None = None
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended the output
 
 
 @dataclass
@@ -391,7 +392,13 @@ def _emit(
         stats.decode_seconds = time.perf_counter() - tic
     detokenizer.finalize()
     tail = stopper.feed(detokenizer.last_segment)[0] + stopper.flush()
-    yield GenerationChunk(text=tail, token=None, finish_reason=finish or "length", stats=stats)
+    yield GenerationChunk(
+        text=tail,
+        token=None,
+        finish_reason=finish or "length",
+        stats=stats,
+        stop_sequence=stopper.hit,
+    )
 
 
 def _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens):

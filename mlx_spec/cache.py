@@ -169,19 +169,70 @@ def _cuttable(c) -> bool:
     return isinstance(c, _TRIMMABLE)
 
 
+def can_cut(cache: list, num: int) -> bool:
+    """Whether `cut_cache(cache, num)` would succeed (it changes nothing)."""
+    return num <= 0 or all(_cuttable(c) and c.offset >= num for c in cache_leaves(cache))
+
+
+def cache_nbytes(cache: list) -> int:
+    """Bytes held by a model's caches."""
+    return sum(c.nbytes for c in cache_leaves(cache))
+
+
 def cut_cache(cache: list, num: int) -> bool:
     """Drop the last `num` tokens of every cache in place when that is exact for all of them
     (KV caches; sliding windows that never wrapped). Returns False, changing nothing, when some
     cache cannot be cut (recurrent state, a wrapped window): the caller then starts afresh."""
     if num <= 0:
         return True
-    leaves = cache_leaves(cache)
-    if not all(_cuttable(c) and c.offset >= num for c in leaves):
+    if not can_cut(cache, num):
         return False
-    for c in leaves:
+    for c in cache_leaves(cache):
         if isinstance(c, RotatingKVCache):
             c.offset -= num
             c._idx -= num
         elif c.trim(num) != num:
             raise RollbackError(f"{type(c).__name__} trimmed fewer than {num} tokens")
     return True
+
+
+class PrefixSnapshot:
+    """The caches as they stood at `length` tokens, so that they can later be cut back to
+    there even where an in-place cut is impossible (recurrent state, a sliding window that
+    wraps in between). KV caches keep nothing (they are trimmed), recurrent states keep
+    references (they are replaced, never written in place), sliding windows keep a copy of
+    their buffers (at most the window)."""
+
+    def __init__(self, cache: list, length: int):
+        self.length = length
+        self._saved = [self._save(c) for c in cache_leaves(cache)]
+
+    @staticmethod
+    def _save(c):
+        if isinstance(c, ArraysCache):
+            return list(c.cache)
+        if isinstance(c, RotatingKVCache):
+            keys = None if c.keys is None else mx.array(c.keys)
+            values = None if c.values is None else mx.array(c.values)
+            return (keys, values, c.offset, c._idx)
+        return None
+
+    def restore(self, cache: list, length: int) -> None:
+        """Bring `cache`, now at `length` tokens and grown from the snapshot's state, back to
+        the snapshot."""
+        leaves = cache_leaves(cache)
+        if length < self.length or len(leaves) != len(self._saved):
+            raise RollbackError("the snapshot is not of these caches")
+        for c, saved in zip(leaves, self._saved, strict=True):
+            if isinstance(c, ArraysCache):
+                c.cache = list(saved)
+            elif isinstance(c, RotatingKVCache):
+                c.keys, c.values, c.offset, c._idx = saved
+            elif length > self.length and c.trim(length - self.length) != length - self.length:
+                raise RollbackError(f"{type(c).__name__} trimmed fewer tokens than asked")
+        check_length(cache, self.length)
+
+
+def needs_snapshot(cache: list) -> bool:
+    """Whether some cache may not be cut back in place (so a snapshot is worth keeping)."""
+    return any(isinstance(c, (ArraysCache, RotatingKVCache)) for c in cache_leaves(cache))

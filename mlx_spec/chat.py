@@ -45,11 +45,17 @@ def fallback_prompt(messages: list[dict]) -> str:
     return "".join(parts) + "Assistant:"
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> str:
+def chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The prompt text for `messages` (dicts with role and content), ready for the assistant's
-    reply: the tokenizer's chat template if it has one, else `fallback_prompt`."""
+    reply: the tokenizer's chat template if it has one, else `fallback_prompt`. `tools`
+    (OpenAI function definitions) go to the template, which needs one."""
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **extra
+        )
+    if tools:
+        raise ValueError("tools need a chat template")
     return fallback_prompt(messages)
 
 

@@ -576,7 +576,32 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--max-queued", type=int, default=256, help="requests waiting at most (default 256)"
     )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=_byte_count,
+        default=2 << 30,
+        metavar="BYTES",
+        help="memory for the caches of finished requests, reused by later requests that share "
+        "their prefix (a conversation's next turn prefills only its new tokens); K/M/G "
+        "suffixes, 0 turns the prompt cache off (default 2G)",
+    )
+    p.add_argument(
+        "--prompt-cache-entries",
+        type=int,
+        default=32,
+        metavar="N",
+        help="finished requests' caches kept at most (default 32)",
+    )
     p.set_defaults(func=cmd_serve)
+
+
+def _byte_count(text: str) -> int:
+    from mlx_spec.prompt_cache import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_serve(args) -> int:
@@ -615,6 +640,8 @@ def cmd_serve(args) -> int:
         default_drafter=default,
         num_draft=args.num_draft,
         max_draft=args.max_draft,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_entries=max(args.prompt_cache_entries, 0),
     )
     app = create_app(model, tokenizer, config, drafters)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

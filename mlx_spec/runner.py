@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from mlx_spec.cache import CacheRollback, check_length, cut_cache
+from mlx_spec.cache import (
+    CacheRollback,
+    PrefixSnapshot,
+    cache_nbytes,
+    can_cut,
+    check_length,
+    cut_cache,
+    needs_snapshot,
+)
 from mlx_spec.hidden import tap_hidden
 
 import mlx.core as mx
@@ -91,6 +99,25 @@ class ModelRunner:
         self.length = length
         check_length(self.cache, length)
         return True
+
+    def can_truncate(self, length: int) -> bool:
+        """Whether `truncate(length)` would succeed."""
+        return 0 <= length <= self.length and can_cut(self.cache, self.length - length)
+
+    def snapshot(self) -> PrefixSnapshot | None:
+        """The cache state now, for `restore` after more tokens were fed; None when every
+        cache can be cut in place anyway (`truncate` is enough)."""
+        return PrefixSnapshot(self.cache, self.length) if needs_snapshot(self.cache) else None
+
+    def restore(self, snapshot: PrefixSnapshot) -> None:
+        """Go back to a snapshot of this runner's cache (taken at fewer tokens)."""
+        snapshot.restore(self.cache, self.length)
+        self.length = snapshot.length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache."""
+        return cache_nbytes(self.cache)
 
     def checkpoint(self, num_tokens: int, single_call: bool) -> None:
         """Mark the cache state before feeding up to `num_tokens` tokens."""

@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mlx_spec.api import GenerationChunk, encode_prompt, stream_generate
+from mlx_spec.api import GenerationChunk, encode_prompt
 from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Drafter
@@ -31,8 +31,17 @@ from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.prompt_cache import PromptCache
 from mlx_spec.runner import context_limit
+from mlx_spec.session import Session
 from mlx_spec.stats import SpecStats
+from mlx_spec.tools import (
+    PlainText,
+    ToolCall,
+    ToolCallStream,
+    supports_tools,
+    template_messages,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 MAX_NUM_DRAFT = 32
+ANTHROPIC_PREFIX = "/v1/messages"
 MAX_STOP = 4
 
 # ------------------------------------------------------------------------------------ errors
@@ -77,7 +87,12 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as JSON; in Anthropic's shape on its routes (`/v1/messages...`)."""
+        if path.startswith(ANTHROPIC_PREFIX):
+            from mlx_spec.anthropic_api import error_body
+
+            return JSONResponse(error_body(self.status, self.message), status_code=self.status)
         return JSONResponse(self.body(), status_code=self.status)
 
 
@@ -145,19 +160,71 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant message, sent back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def template_dict(self) -> dict:
+        """The message as chat templates read it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
 
 
 class CompletionRequest(_Request):
@@ -181,6 +248,8 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     stream: Iterator[GenerationChunk] | None = None
+    # Called on the engine thread once the stream is closed, with the outcome.
+    release: Callable[[str], None] | None = None
 
     def put(self, item) -> None:
         try:
@@ -284,8 +353,14 @@ class Engine:
 
     def _finish(self, job: Job, outcome: str) -> None:
         if job.stream is not None:
-            job.stream.close()  # settles the rounds; the caches go with the stream
+            try:
+                job.stream.close()  # settles the rounds
+            except Exception:  # a failure while settling: the caches are not reused
+                outcome = "failed"
             job.stream = None
+        if job.release is not None:
+            job.release(outcome)
+            job.release = None
         if outcome == "cancelled":
             job.put(CANCELLED)
         with self._cond:
@@ -326,6 +401,9 @@ class ServerConfig:
         default_drafter: drafter used when a request does not say (None: plain decoding).
         num_draft: "auto" or draft tokens per round, unless a request says otherwise.
         max_draft: the longest draft "auto" considers.
+        prompt_cache_bytes: the most bytes the caches of finished requests may keep for reuse
+            by later requests sharing a prefix (0: no prompt cache).
+        prompt_cache_entries: the most finished requests' caches kept.
     """
 
     model_id: str = "model"
@@ -337,6 +415,8 @@ class ServerConfig:
     default_drafter: str | None = None
     num_draft: int | str = "auto"
     max_draft: int = 8
+    prompt_cache_bytes: int = 2 << 30
+    prompt_cache_entries: int = 32
 
 
 class _BodyLimit:
@@ -350,7 +430,7 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._too_large().response()(scope, receive, send)
+            return await self._too_large().response(scope["path"])(scope, receive, send)
         seen = 0
 
         async def limited():
@@ -381,12 +461,13 @@ class _APIKey:
             headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"")
             given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            given = given or headers.get(b"x-api-key", b"").strip()  # Anthropic's header
             if not hmac.compare_digest(given, self.key):
                 error = APIError(
-                    401, "missing or invalid API key (Authorization: Bearer ...)",
+                    401, "missing or invalid API key (Authorization: Bearer ... or x-api-key)",
                     code="invalid_api_key",
                 )  # fmt: skip
-                return await error.response()(scope, receive, send)
+                return await error.response(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -426,24 +507,26 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+        return _validation_error(exc).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        return APIError(exc.status_code, str(exc.detail), code=code.get(exc.status_code)).response()
+        error = APIError(exc.status_code, str(exc.detail), code=code.get(exc.status_code))
+        return error.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def crashed(request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}").response(request.url.path)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_id, **engine.status()}
+        status = {"status": "ok", "model": config.model_id, **engine.status()}
+        return {**status, "prompt_cache": server.prompt_cache.status()}
 
     @app.get("/v1/models")
     async def models():
@@ -461,6 +544,10 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await server.handle(body, request, chat=False)
+
+    from mlx_spec import anthropic_api  # imports this module: loaded once it is complete
+
+    anthropic_api.add_routes(app, server)
 
     return app
 
@@ -520,9 +607,23 @@ class _Plan:
 
     ids: list[int]
     max_tokens: int
-    drafter: Callable[[], Drafter] | None
+    drafter_name: str | None  # None: plain decoding
     num_draft: int | str
     stops: list[str]
+    tools: list[dict] | None = None  # the tools the template was given: parse calls
+    forced_call: bool = False  # the prompt ends with the tool-call start marker
+
+    def splitter(self, tokenizer) -> ToolCallStream | PlainText:
+        """What turns the output text into content and tool calls."""
+        if self.tools is None:
+            return PlainText()
+        return ToolCallStream(
+            tokenizer.tool_call_start,
+            tokenizer.tool_call_end or "",
+            tokenizer.tool_parser,
+            self.tools,
+            in_call=self.forced_call,
+        )
 
 
 class _Server:
@@ -533,6 +634,8 @@ class _Server:
         self.context = context_limit(model)
         self.created = int(time.time())
         self.templated = has_chat_template(tokenizer)
+        # Used on the engine thread only.
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes, config.prompt_cache_entries)
 
     def model_card(self) -> dict:
         return {
@@ -557,22 +660,60 @@ class _Server:
     def plan(self, body: _Request, chat: bool) -> _Plan:
         self.check_model(body.model)
         stops = list(body.stop or [])
+        tools, forced = None, False
         if chat:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                text = chat_prompt(self.tokenizer, messages)
-            except Exception as exc:  # the template's own checks (jinja raises many types)
-                raise APIError(
-                    400, f"the chat template cannot render these messages: {exc}",
-                    param="messages",
-                ) from exc  # fmt: skip
-            ids = encode_prompt(self.tokenizer, text)
+            messages = [m.template_dict() for m in body.messages]
+            specs = [t.model_dump(exclude_none=True) for t in body.tools or []]
+            ids, tools, forced = self.chat_ids(messages, specs, body.tool_choice)
             if not self.templated:
                 stops.append(FALLBACK_STOP)
             requested = body.max_completion_tokens or body.max_tokens
         else:
             ids = self._completion_ids(body)
             requested = body.max_tokens
+        plan = self.check_plan(ids, requested, stops, body.speculative, chat)
+        plan.tools, plan.forced_call = tools, forced
+        return plan
+
+    def chat_ids(
+        self, messages: list[dict], tools: list[dict], tool_choice
+    ) -> tuple[list[int], list[dict] | None, bool]:
+        """Prompt ids for a chat, with the tools the template was given (None: no tool calls
+        are parsed) and whether the prompt forces a call (tool_choice "required" or a named
+        function: the prompt ends with the start marker)."""
+        choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+        named = None if isinstance(choice, str) else choice.function.name
+        if choice != "none" and not tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if named is not None:
+            tools = [t for t in tools if t["function"]["name"] == named]
+            if not tools:
+                raise APIError(
+                    400, f"tool_choice names {named!r}, which is not among the tools",
+                    param="tool_choice",
+                )  # fmt: skip
+        given = tools if choice != "none" else None
+        if given and not (self.templated and supports_tools(self.tokenizer)):
+            raise APIError(
+                400,
+                "this model's chat template does not support tool calls",
+                param="tools",
+                code="tools_not_supported",
+            )
+        try:
+            text = chat_prompt(self.tokenizer, template_messages(messages), given)
+        except Exception as exc:  # the template's own checks (jinja raises many types)
+            raise APIError(
+                400, f"the chat template cannot render these messages: {exc}",
+                param="messages",
+            ) from exc  # fmt: skip
+        forced = bool(given) and choice != "auto"
+        if forced:
+            text += self.tokenizer.tool_call_start
+        return encode_prompt(self.tokenizer, text), given, forced
+
+    def check_plan(self, ids, requested, stops, speculative, chat: bool) -> _Plan:
+        """The plan for prompt `ids`, or APIError when it does not fit the limits."""
         if self.context is not None and len(ids) >= self.context:
             raise APIError(
                 400,
@@ -586,8 +727,8 @@ class _Server:
                 400, f"max_tokens is {requested}; this server allows at most {limit}",
                 param="max_tokens", code="max_tokens_exceeded",
             )  # fmt: skip
-        drafter, num_draft = self._speculation(body.speculative)
-        return _Plan(ids, requested or limit, drafter, num_draft, stops)
+        drafter_name, num_draft = self._speculation(speculative)
+        return _Plan(ids, requested or limit, drafter_name, num_draft, stops)
 
     def _completion_ids(self, body: CompletionRequest) -> list[int]:
         for name in ("echo", "logprobs", "suffix"):
@@ -624,54 +765,84 @@ class _Server:
             )
         if not enabled or num_draft == 0:
             return None, 0
-        return self.drafters[name], num_draft
+        return name, num_draft
 
     # ------------------------------------------------------------------ plan -> response
 
+    def _session(self, plan: _Plan) -> Session:
+        """A fresh session (caches and drafter state) for the plan's drafter."""
+        make = None if plan.drafter_name is None else self.drafters[plan.drafter_name]
+        return Session(
+            self.model,
+            self.tokenizer,
+            drafter=None if make is None else make(),
+            num_draft=plan.num_draft,
+            max_draft=self.config.max_draft,
+            check=False,  # the factories checked the drafters' weights once
+        )
+
     async def handle(self, body: _Request, request: Request, chat: bool):
         plan = self.plan(body, chat)
-
-        def open_stream():
-            return stream_generate(
-                self.model,
-                self.tokenizer,
-                plan.ids,
-                drafter=None if plan.drafter is None else plan.drafter(),
-                num_draft=plan.num_draft,
-                max_draft=self.config.max_draft,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                max_tokens=plan.max_tokens,
-                stop=tuple(plan.stops),
-            )
-
-        job = Job(open_stream, asyncio.get_running_loop(), seed=body.seed)
-        self.engine.submit(job)
-        watcher = asyncio.create_task(self._watch(request, job))
-        try:
-            first = await self._next(job)
-        except BaseException:
-            watcher.cancel()
-            self.engine.cancel(job)
-            raise
+        job, first, watcher = await self.start(
+            plan, body.temperature, body.top_p, body.seed, request
+        )
         meta = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
             "created": int(time.time()),
             "model": self.config.model_id,
             "prompt_tokens": len(plan.ids),
         }
+        splitter = plan.splitter(self.tokenizer)
         if body.stream:  # from here on the response watches the connection itself
             watcher.cancel()
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(job, first, meta, chat, include_usage)
+            events = self._events(job, first, splitter, meta, chat, include_usage)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            return await self._collect(job, first, meta, chat)
+            return await self._collect(job, first, splitter, meta, chat)
         finally:
             watcher.cancel()
             self.engine.cancel(job)
+
+    async def start(
+        self, plan: _Plan, temperature: float, top_p: float, seed, request: Request, top_k: int = 0
+    ):
+        """Queue the plan on the engine: (job, its first chunk, the task that cancels the job
+        when the client disconnects). The first chunk comes after the prefill."""
+        taken: list[Session] = []
+
+        def open_stream():  # on the engine thread
+            session = self.prompt_cache.take(
+                plan.drafter_name, plan.ids, lambda: self._session(plan)
+            )
+            taken.append(session)
+            return session.stream(
+                plan.ids,
+                num_draft=plan.num_draft,
+                max_draft=self.config.max_draft,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=plan.max_tokens,
+                stop=tuple(plan.stops),
+            )
+
+        def release(outcome: str) -> None:  # on the engine thread, after the stream closed
+            if taken and outcome != "failed":
+                self.prompt_cache.put(plan.drafter_name, taken[0])
+
+        job = Job(open_stream, asyncio.get_running_loop(), seed=seed, release=release)
+        self.engine.submit(job)
+        watcher = asyncio.create_task(self._watch(request, job))
+        try:
+            first = await self.next_chunk(job)
+        except BaseException:
+            watcher.cancel()
+            self.engine.cancel(job)
+            raise
+        return job, first, watcher
 
     async def _watch(self, request: Request, job: Job) -> None:
         """Cancel the job as soon as its client disconnects."""
@@ -682,7 +853,7 @@ class _Server:
             pass
         self.engine.cancel(job)
 
-    async def _next(self, job: Job) -> GenerationChunk:
+    async def next_chunk(self, job: Job) -> GenerationChunk:
         """The job's next chunk; raises its error, or APIError(499) if it was cancelled."""
         item = await job.queue.get()
         if item is CANCELLED:
@@ -693,16 +864,32 @@ class _Server:
             raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
         return item
 
-    async def _collect(self, job, chunk, meta, chat) -> dict:
-        pieces = []
+    async def output(self, job: Job, chunk: GenerationChunk, splitter):
+        """The job's output as content strings and `ToolCall`s, in order, then its last chunk
+        (finish reason and stats)."""
         while chunk.token is not None:
-            pieces.append(chunk.text)
-            chunk = await self._next(job)
-        pieces.append(chunk.text)
+            for item in splitter.feed(chunk.text):
+                yield item
+            chunk = await self.next_chunk(job)
+        for item in splitter.feed(chunk.text) + splitter.finish():
+            yield item
+        yield chunk
+
+    async def _collect(self, job, chunk, splitter, meta, chat) -> dict:
+        pieces, calls = [], []
+        async for item in self.output(job, chunk, splitter):
+            if isinstance(item, str):
+                pieces.append(item)
+            elif isinstance(item, ToolCall):
+                calls.append(item.openai())
+            else:
+                chunk = item
         text = "".join(pieces)
-        choice = {"index": 0, "finish_reason": chunk.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish_reason(chunk, calls), "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                choice["message"]["tool_calls"] = calls
         else:
             choice["text"] = text
         return {
@@ -714,7 +901,7 @@ class _Server:
             "usage": usage(chunk.stats, meta["prompt_tokens"]),
         }
 
-    async def _events(self, job, chunk, meta, chat, include_usage) -> AsyncIterator[str]:
+    async def _events(self, job, chunk, splitter, meta, chat, include_usage) -> AsyncIterator[str]:
         base = {
             "id": meta["id"],
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -722,27 +909,26 @@ class _Server:
             "model": meta["model"],
         }
 
-        def event(text: str | None, finish: str | None = None, role: bool = False) -> str:
+        def event(delta: dict | str, finish: str | None = None) -> str:
             if chat:
-                delta = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish}
-                choice["logprobs"] = None
+                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
             return _sse({**base, "choices": [choice]})
 
+        calls = 0
         try:
             if chat:
-                yield event("", role=True)
-            while chunk.token is not None:
-                if chunk.text:
-                    yield event(chunk.text)
-                chunk = await self._next(job)
-            if chunk.text:
-                yield event(chunk.text)
-            yield event(None if chat else "", finish=chunk.finish_reason)
+                yield event({"role": "assistant", "content": ""})
+            async for item in self.output(job, chunk, splitter):
+                if isinstance(item, str):
+                    yield event({"content": item} if chat else item)
+                elif isinstance(item, ToolCall):
+                    yield event({"tool_calls": [item.openai(index=calls)]})
+                    calls += 1
+                else:
+                    chunk = item
+            yield event({} if chat else "", finish=finish_reason(chunk, splitter.calls))
             if include_usage:
                 yield _sse(
                     {**base, "choices": [], "usage": usage(chunk.stats, meta["prompt_tokens"])}
@@ -752,6 +938,11 @@ class _Server:
             yield _sse(exc.body())
         finally:
             self.engine.cancel(job)  # a client that left mid-stream frees its work
+
+
+def finish_reason(last: GenerationChunk, calls) -> str:
+    """ "tool_calls" when the model stopped after calling tools, else the chunk's reason."""
+    return "tool_calls" if calls and last.finish_reason == "stop" else last.finish_reason
 
 
 def _sse(payload: dict) -> str:
@@ -765,6 +956,7 @@ def usage(stats: SpecStats, prompt_tokens: int) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "speculative": {
             "enabled": stats.drafter != "none",
             "drafter": None if stats.drafter == "none" else stats.drafter,

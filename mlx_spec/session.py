@@ -57,6 +57,8 @@ class Session:
         num_draft: "auto" or draft tokens per round, unless a call says otherwise. With "auto"
             the costs and acceptance measured in one turn carry over to the next.
         max_draft: the longest draft "auto" considers.
+        check: check that the drafter fits the target and tokenizer (skip it only for a
+            drafter built over weights already checked, as the server's factories do).
     """
 
     def __init__(
@@ -67,13 +69,14 @@ class Session:
         drafter: DrafterSpec = None,
         num_draft: int | str = AUTO,
         max_draft: int = 8,
+        check: bool = True,
     ):
         _check_settings(num_draft, 0, max_draft)
         self.model = model
         self.tokenizer = wrap_tokenizer(tokenizer)
         self.vocab_size = scored_vocab(model, self.tokenizer)
         self.drafter = _resolve_drafter(drafter, model)
-        if self.drafter is not None:
+        if self.drafter is not None and check:
             self.drafter.check_compatible(model, self.tokenizer, self.vocab_size)
         self.num_draft = num_draft
         self.max_draft = max_draft
@@ -97,11 +100,39 @@ class Session:
         if self.drafter is not None:
             self.drafter.bind_target(self.target)
         self._sequence: list[int] = []  # the target's cache holds _sequence[: target.length]
+        # The target's cache at the end of the last prompt, where it cannot be cut in place
+        # (recurrent layers, sliding windows): a next turn that shares that prompt but not the
+        # reply as re-tokenized goes back there instead of starting over.
+        self._snapshot = None
 
     @property
     def cached_tokens(self) -> list[int]:
         """The tokens in the target's cache, in order."""
         return self._sequence[: self.target.length]
+
+    @property
+    def settled(self) -> bool:
+        """False while a turn runs, and after one that failed midway (the next turn then
+        starts from fresh caches)."""
+        return not self._broken
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the target's and the drafter's caches."""
+        return self.target.nbytes + (0 if self.drafter is None else self.drafter.nbytes)
+
+    def reusable(self, prompt_ids: Sequence[int]) -> int:
+        """How many of the prompt's tokens the next turn would take from the cache instead of
+        prefilling them (0 when the caches would have to be rebuilt)."""
+        if self._broken:
+            return 0
+        start = self._reuse_point(list(prompt_ids), self.drafter is not None)
+        if self.target.can_truncate(start):
+            return start
+        return self._snapshot.length if self._usable_snapshot(start) else 0
+
+    def _usable_snapshot(self, start: int) -> bool:
+        return self._snapshot is not None and 0 < self._snapshot.length <= start
 
     def stream(
         self,
@@ -194,16 +225,29 @@ class Session:
     ) -> tuple[int, mx.array | None]:
         """Bring the target's cache to `ids[:-1]`; returns where the prefill started and the
         hidden states of the tokens it fed (if kept)."""
+        start = self._reuse_point(ids, drafting)
+        if not self.target.truncate(start):
+            if self._usable_snapshot(start):
+                self.target.restore(self._snapshot)
+                start = self._snapshot.length
+            else:
+                self._reset_target(stats)
+                start = 0
+        stats.cached_tokens = start
+        hidden = self.target.prefill(ids[start:-1])
+        self._snapshot = self.target.snapshot()
+        return start, hidden
+
+    def _reuse_point(self, ids: list[int], drafting: bool) -> int:
+        """Where the prefill of `ids` starts: the end of the cached prefix they share (the
+        last prompt token is always fed)."""
         cached = self.cached_tokens
         start = min(common_prefix(ids, cached), len(ids) - 1)
-        if drafting and self.drafter.needs_hidden and start < len(cached):
-            # The drafter's state ends one position before the cut: give it that hidden state.
-            start = max(0, start - 1)
-        if not self.target.truncate(start):
-            self._reset_target(stats)
-            start = 0
-        stats.cached_tokens = start
-        return start, self.target.prefill(ids[start:-1])
+        if drafting and self.drafter is not None and self.drafter.needs_hidden:
+            if start < len(cached):
+                # The drafter's state ends one position before the cut: give it that hidden state.
+                start = max(0, start - 1)
+        return start
 
     def _reset_target(self, stats: SpecStats, keep_drafter: bool = True) -> None:
         """A fresh target cache (the drafter's own state is kept when `keep_drafter`)."""

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import copy
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
 import mlx_spec  # first: loads the optimized BLAS before mlx
 
 import pytest
 import tinymodels as tm
+import uvicorn
 
 VOCAB = tm.tokenizer_size()
 
@@ -51,3 +56,23 @@ def with_eos(tokenizer, eos_ids=()):
     tokenizer = copy.copy(tokenizer)
     tokenizer.eos_token_ids = set(eos_ids)
     return tokenizer
+
+
+@contextmanager
+def serving(app):
+    """Run `app` with uvicorn on a free loopback port in a background thread; yields the URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

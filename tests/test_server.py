@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
-from contextlib import contextmanager
 
 import mlx_spec
 from mlx_spec.api import encode_prompt
@@ -19,31 +16,10 @@ from mlx_spec.server import ServerConfig, create_app, drafter_factories
 import httpx
 import openai
 import pytest
-import uvicorn
-from conftest import with_eos
+from conftest import serving, with_eos
 
 MODEL_ID = "tiny"
 LIMIT = 480  # max_tokens limit of the test server (the context holds 512)
-
-
-@contextmanager
-def serving(app):
-    """Run `app` with uvicorn on a free loopback port in a background thread; yields the URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -152,3 +152,83 @@ def write_tokenizer(path: Path, tokenizer: Tokenizer | None = None) -> None:
             }
         )
     )
+
+
+# ------------------------------------------------------------------ a model that calls tools
+
+TOOL_ALPHABET = "abcdefghijklmnopqrstuvwxyz :\n"
+TOOL_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>"]
+TOOL_EOS = "<|end|>"
+TOOL_CALL_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TOOL_REPLY = "done"  # the answer once a tool result is in the history
+
+# The chat template: tools listed in a system turn, earlier calls rendered back, and a tool
+# result followed by "<|assistant|>\n" (the model answers "done" after a newline, and calls
+# get_weather after a bare "<|assistant|>"). mlx-lm picks its json_tools parser from it.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|system|>tools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|end|>{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}<|assistant|>"
+    "{%- for c in m.tool_calls %}{% set tool_call = c.function %}<tool_call>"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "</tool_call>{% endfor %}<|end|>"
+    "{%- else -%}<|{{ m.role }}|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>"
+    "{%- if messages[-1].role == 'tool' %}{{ '\\n' }}{% endif -%}{%- endif -%}"
+)
+
+
+def write_tool_checkpoint(path: Path) -> Path:
+    """A llama checkpoint that answers as a lookup table on its last token (attention and MLP
+    outputs are zero, the head maps each token to its successor): after "<|assistant|>" it
+    emits `<tool_call>` + TOOL_CALL_TEXT + `</tool_call>` + EOS; after a newline, TOOL_REPLY +
+    EOS. Its tokenizer's chat template supports tools."""
+    specials = SPECIALS + [TOOL_EOS]
+    vocab = {tok: i for i, tok in enumerate(specials + list(TOOL_ALPHABET))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.add_tokens(TOOL_TOKENS + [TOOL_CALL_TEXT])
+    ids = tok.get_vocab()
+    size = len(ids)
+    config = llama_config(size, hidden_size=64, eos_token_id=ids[TOOL_EOS])
+    chain = ["<|assistant|>", "<tool_call>", TOOL_CALL_TEXT, "</tool_call>", TOOL_EOS]
+    chain2 = ["\n", *TOOL_REPLY, TOOL_EOS]
+    successor = {i: ids["a"] for i in range(size)}
+    for seq in (chain, chain2):
+        for a, b in zip(seq[:-1], seq[1:], strict=True):
+            successor[ids[a]] = ids[b]
+    weights = random_weights(config, seed=7)
+    hidden = config["hidden_size"]
+    weights["model.embed_tokens.weight"] = mx.eye(size, hidden)
+    head = mx.zeros((size, hidden))
+    rows = mx.array(list(successor.values()))
+    cols = mx.array(list(successor.keys()))
+    head[rows, cols] = 2.0
+    weights["lm_head.weight"] = head
+    for name in list(weights):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+        elif name.endswith("norm.weight"):
+            weights[name] = mx.ones_like(weights[name])
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": TOOL_EOS,
+                "unk_token": "<unk>",
+                "add_bos_token": False,
+                "chat_template": TOOL_TEMPLATE,
+            }
+        )
+    )
+    return path

@@ -54,6 +54,12 @@ class Drafter(ABC):
         """`available(k)` of each arm (a group answers for each of its drafters)."""
         return [self.available(k)]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the drafter's own caches (kept by a prompt cache between requests)."""
+        runner = getattr(self, "runner", None)
+        return 0 if runner is None else runner.nbytes
+
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:  # noqa: B027
         """Raise ValueError if this drafter cannot serve this target and tokenizer."""
 

@@ -35,6 +35,10 @@ class DrafterGroup(Drafter):
         self._active = 0
 
     @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.drafters)
+
+    @property
     def arm_names(self) -> list[str]:
         return [d.name for d in self.drafters]
 

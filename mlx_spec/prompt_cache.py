@@ -1,0 +1,105 @@
+"""A prompt cache across requests: the caches of finished generations, kept so that a later
+request whose prompt starts with the same tokens (a conversation's next turn, a shared system
+prompt) prefills only what is new.
+
+Entries are idle `Session`s (a target cache, a drafter with its own cache, and the tokens they
+hold), grouped by drafter, since a drafter's state follows only the sequence it was begun on. A
+request takes the entry that saves it the most prefill, generates with it, and puts it back
+when done; the least recently used entries go first when the cache holds more bytes or entries
+than allowed. Not thread-safe: the server's engine thread is its only user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from mlx_spec.session import Session
+
+
+@dataclass
+class _Entry:
+    key: Hashable
+    session: Session
+    nbytes: int
+
+
+class PromptCache:
+    """Idle sessions, least recently used first out.
+
+    Args:
+        max_bytes: the most bytes the idle entries' caches may hold (0 disables the cache).
+        max_entries: the most idle entries.
+    """
+
+    def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 32):
+        if max_bytes < 0 or max_entries < 0:
+            raise ValueError("max_bytes and max_entries must be >= 0")
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._entries: list[_Entry] = []  # least recently used first
+        self.counts = {"hits": 0, "misses": 0, "reused_tokens": 0, "evicted": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0 and self.max_entries > 0
+
+    def take(
+        self, key: Hashable, prompt_ids: Sequence[int], make: Callable[[], Session]
+    ) -> Session:
+        """The idle session of drafter `key` that reuses the most of `prompt_ids`, removed
+        from the cache; a new one from `make()` when none reuses anything."""
+        best, best_reuse = None, 0
+        for entry in self._entries:
+            if entry.key != key:
+                continue
+            reuse = entry.session.reusable(prompt_ids)
+            if reuse > best_reuse:
+                best, best_reuse = entry, reuse
+        if best is None:
+            self.counts["misses"] += 1
+            return make()
+        self._entries.remove(best)
+        self.counts["hits"] += 1
+        self.counts["reused_tokens"] += best_reuse
+        return best.session
+
+    def put(self, key: Hashable, session: Session) -> None:
+        """Keep a finished session (most recently used), then evict down to the limits. A
+        session whose last turn failed midway is dropped."""
+        if not self.enabled or not session.settled or not session.cached_tokens:
+            return
+        self._entries.append(_Entry(key, session, session.nbytes))
+        total = self.nbytes
+        while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):
+            total -= self._entries.pop(0).nbytes
+            self.counts["evicted"] += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def status(self) -> dict:
+        """Entries, bytes and counters, for `/health`."""
+        return {"entries": len(self), "bytes": self.nbytes, **self.counts}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional K/M/G/T suffix (powers of 1024): "512M" -> 536870912."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    value = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = units.get(value[-1:], 1)
+    if scale > 1:
+        value = value[:-1]
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"not a byte count: {text!r} (e.g. 2G, 512M, 1000000)") from None
+    if number < 0:
+        raise ValueError(f"a byte count must be >= 0, got {text!r}")
+    return int(number * scale)
