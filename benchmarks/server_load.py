@@ -13,11 +13,17 @@ the script reports:
 - time to first token (request sent -> first text event) p50 / p95;
 - errors (any non-200 answer or error event; there should be none).
 
+After the load rows of each mode comes one conversation (`--turns`, default 4): each turn's
+prompt is the previous prompt + its reply + `--turn-tokens` new tokens of held-out text, and
+its time to first token is reported with the prompt tokens the server took from its prompt
+cache. The same rows and conversation are then measured on `mlx_lm.server` (the peer; skip with
+`--no-peer`), started as a subprocess on a float32 copy of the same model with the same BLAS
+preloaded (`LD_PRELOAD`), and each mode's throughput is printed over the peer's at every N.
+
 With one engine thread, concurrent streams share the model in turn (no batching): total
 throughput stays near that of one stream while each stream's latency grows with N. A drafter
 changes both by the factor it gets alone, which is above 1 only when it agrees with the target
-often enough to pay for its own cost; the default random pair (acceptance near 0.05) does not,
-so its rows measure the overhead of speculation, not a speedup.
+often enough to pay for its own cost.
 
 By default it serves the embedded demo pair (its target and draft model; prompts are the
 openings of the held-out standard-library files). `--random` builds two random llama
@@ -26,7 +32,7 @@ hidden 256, 4 layers, a draft model that is a perturbed copy of the target);
 `--model`/`--draft-model` take any others.
 
 Examples:
-    python benchmarks/server_load.py                       # N = 1, 4, 8; each mode
+    python benchmarks/server_load.py                       # N = 1, 4, 8; each mode; the peer
     python benchmarks/server_load.py --quick
     python benchmarks/server_load.py --model ./target --draft-model ./draft --json load.json
 """
@@ -37,8 +43,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,10 +54,12 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
+from mlx_spec import _blas
 from mlx_spec.bench import machine_info
 from mlx_spec.server import ServerConfig, create_app, drafter_factories
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import uvicorn
 
@@ -105,6 +115,7 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     """Send one streaming completion; returns its timings, token count and error (if any)."""
     tic = time.perf_counter()
     first, tokens, error, acceptance = None, 0, None, 0.0
+    pieces, prompt_tokens, cached, events = [], 0, 0, 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -114,16 +125,24 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                error = event["error"]["message"]
-            elif event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-                acceptance = event["usage"]["speculative"]["acceptance_rate"]
-            elif first is None and event["choices"] and event["choices"][0]["text"]:
-                first = time.perf_counter() - tic
+                error = str(event["error"])
+                continue
+            if event.get("usage"):
+                usage = event["usage"]
+                tokens = usage["completion_tokens"]
+                prompt_tokens = usage.get("prompt_tokens", 0)
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                acceptance = (usage.get("speculative") or {}).get("acceptance_rate", 0.0)
+            if event.get("choices") and event["choices"][0].get("text"):
+                pieces.append(event["choices"][0]["text"])
+                events += 1
+                if first is None:
+                    first = time.perf_counter() - tic
     latency = time.perf_counter() - tic
     return {
-        "latency": latency, "ttft": first, "tokens": tokens, "error": error,
-        "acceptance": acceptance,
+        "latency": latency, "ttft": first, "tokens": tokens or events, "error": error,
+        "acceptance": acceptance, "text": "".join(pieces), "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
     }  # fmt: skip
 
 
@@ -166,6 +185,115 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
     }  # fmt: skip
 
 
+class PeerServer:
+    """`mlx_lm.server` in a subprocess on a free loopback port, with the BLAS mlx-spec loads
+    preloaded (else MLX's reference BLAS would make it ~90x slower on Linux)."""
+
+    def __init__(self, model_dir: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        blas = _blas.preload()
+        if blas:
+            env["LD_PRELOAD"] = blas
+        Path.home().joinpath(".cache", "huggingface", "hub").mkdir(parents=True, exist_ok=True)
+        self.command = [
+            sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        self.env, self.process = env, None
+
+    def __enter__(self) -> str:
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited: {self.process.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("mlx_lm.server did not start within 180 s")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def float32_copy(source: Path, dest: Path) -> Path:
+    """The model directory with float32 weights: the dtype mlx-spec computes in on CPU, so the
+    peer does the same arithmetic."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.suffix == ".safetensors":
+            weights = mx.load(str(f))
+            weights = {
+                k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+                for k, v in weights.items()
+            }
+            mx.save_safetensors(str(dest / f.name), weights, metadata={"format": "mlx"})
+        elif f.is_file():
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def conversation_turns(tokenizer, texts: list[str], turns: int, new_tokens: int) -> list[str]:
+    """The new text of each turn: `new_tokens` tokens of the held-out files each."""
+    ids = [t for text in texts for t in tokenizer.encode(text)]
+    return [tokenizer.decode(ids[i * new_tokens : (i + 1) * new_tokens]) for i in range(turns)]
+
+
+async def run_conversation(url: str, body: dict, turns: list[str]) -> list[dict]:
+    """One conversation: each turn's prompt is the previous prompt + its reply + new text, so
+    a server with a prompt cache prefills only the reply and the new text."""
+    rows, prompt = [], ""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for i, new in enumerate(turns):
+            prompt += new
+            result = await one_request(client, {**body, "prompt": prompt})
+            if result.get("error"):
+                raise RuntimeError(f"turn {i + 1}: {result['error']}")
+            rows.append({
+                "turn": i + 1, "prompt_chars": len(prompt), "ttft_ms": result["ttft"] * 1e3,
+                "prompt_tokens": result["prompt_tokens"], "cached_tokens": result["cached_tokens"],
+            })  # fmt: skip
+            prompt += result["text"]
+    return rows
+
+
+def measure(url: str, label: str, body: dict, args, turns: list[str]) -> list[dict]:
+    """The load rows (every N) and the conversation row of one server and mode."""
+    rows = []
+    asyncio.run(run_load(url, 1, 1, {**body, "max_tokens": 8}))  # warm-up
+    for n in args.concurrency:
+        row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body))}
+        rows.append(row)
+        print(_format(row), flush=True)
+    if turns:
+        conversation = asyncio.run(run_conversation(url, body, turns))
+        row = {"mode": label, "conversation": conversation}
+        rows.append(row)
+        print(
+            f"{label:>12} conversation: TTFT by turn "
+            + " -> ".join(f"{t['ttft_ms']:.0f}" for t in conversation)
+            + " ms; prompt tokens "
+            + " -> ".join(str(t["prompt_tokens"]) for t in conversation)
+            + "; cached "
+            + " -> ".join(str(t["cached_tokens"]) for t in conversation),
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="target MLX directory (default: the embedded demo pair)")
@@ -174,58 +302,67 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
-    p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument("--num-draft", default="auto", help="k or auto (default auto)")
     p.add_argument(
         "--modes",
         nargs="+",
-        default=["none", "ngram", "draft-model"],
-        help="speculation modes: none, ngram, draft-model (default: all three)",
+        default=["none", "ngram", "draft-model", "all"],
+        help="speculation modes: none, ngram, draft-model, all (default: all four)",
     )
     p.add_argument("--max-concurrent", type=int, help="engine slots (default: the largest N)")
+    p.add_argument("--turns", type=int, default=4, help="conversation turns (0: none)")
+    p.add_argument("--turn-tokens", type=int, default=180, help="new tokens per turn")
+    p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
         args.concurrency, args.requests, args.max_tokens = [1, 4], 1, 32
+    num_draft = args.num_draft if args.num_draft == "auto" else int(args.num_draft)
 
     built = args.model is None and args.random
+    texts = PROMPTS
     if args.model is None and not built:
         from mlx_spec.embedded import converted_pair, stdlib_files
 
         target_dir, draft_dir = converted_pair()
         args.model, args.draft_model = str(target_dir), args.draft_model or str(draft_dir)
-        PROMPTS[:] = [p.read_text(errors="replace")[:200] for p in stdlib_files()[1]]
+        texts = [p.read_text(errors="replace") for p in stdlib_files()[1]]
+        PROMPTS[:] = [text[:200] for text in texts]
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         if built:
             target_dir, draft_dir = build_models(Path(tmp))
             args.model, args.draft_model = str(target_dir), args.draft_model or str(draft_dir)
         model, tokenizer = mlx_spec.load(args.model)
+        turns = conversation_turns(tokenizer, texts, args.turns, args.turn_tokens)
         tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
         drafters = drafter_factories(model, tokenizer, draft_model=args.draft_model)
         config = ServerConfig(
             model_id="bench",
             max_tokens_limit=max(args.max_tokens, 16),
             max_concurrent=args.max_concurrent or max(args.concurrency),
-            num_draft=args.num_draft,
+            num_draft=num_draft,
         )
         app = create_app(model, tokenizer, config, drafters)
+        body = {
+            "model": "bench", "max_tokens": args.max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
         rows = []
         with Server(app) as url:
             for mode in args.modes:
                 speculative = (
                     {"enabled": False} if mode == "none" else {"drafter": mode, "enabled": True}
                 )
-                body = {
-                    "model": "bench", "max_tokens": args.max_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True},
-                    "speculative": speculative,
-                }  # fmt: skip
-                asyncio.run(run_load(url, 1, 1, {**body, "max_tokens": 8}))  # warm-up
-                for n in args.concurrency:
-                    row = {"mode": mode, **asyncio.run(run_load(url, n, args.requests, body))}
-                    rows.append(row)
-                    print(_format(row), flush=True)
+                rows += measure(url, mode, {**body, "speculative": speculative}, args, turns)
+        if not args.no_peer:
+            peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
+            with PeerServer(peer_dir) as url:
+                peer_body = {**body, "model": "default_model"}
+                rows += measure(url, "mlx_lm.server", peer_body, args, turns)
+    if not args.no_peer:
+        print(_versus(rows), flush=True)
 
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
@@ -235,11 +372,26 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,
         "max_concurrent": config.max_concurrent,
+        "num_draft": num_draft,
         "results": rows,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2))
-    return 1 if any(r["errors"] for r in rows) else 0
+    return 1 if any(r.get("errors") for r in rows) else 0
+
+
+def _versus(rows: list[dict]) -> str:
+    """Each mode's throughput over mlx_lm.server's at every N."""
+    peer = {
+        r["concurrency"]: r for r in rows if r["mode"] == "mlx_lm.server" and "concurrency" in r
+    }
+    lines = ["throughput over mlx_lm.server's:"]
+    for r in rows:
+        if r["mode"] != "mlx_lm.server" and r.get("concurrency") in peer:
+            base = peer[r["concurrency"]]["throughput_tokens_per_sec"]
+            ratio = r["throughput_tokens_per_sec"] / base if base else float("nan")
+            lines.append(f"  {r['mode']:>12} N={r['concurrency']}: {ratio:.2f}x")
+    return "\n".join(lines)
 
 
 def _format(row: dict) -> str:

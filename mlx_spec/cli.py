@@ -586,6 +586,14 @@ def _add_serve(sub) -> None:
         "suffixes, 0 turns the prompt cache off (default 2G)",
     )
     p.add_argument(
+        "--prefill-step",
+        type=int,
+        default=256,
+        metavar="N",
+        help="prefill prompts N tokens at a time, letting the other streams take a step "
+        "between chunks (default 256)",
+    )
+    p.add_argument(
         "--prompt-cache-entries",
         type=int,
         default=32,
@@ -609,7 +617,7 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
-    for name in ("max_tokens_limit", "max_request_bytes", "max_concurrent", "port"):
+    for name in ("max_tokens_limit", "max_request_bytes", "max_concurrent", "port", "prefill_step"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     _blas.warn_if_slow()
@@ -642,6 +650,7 @@ def cmd_serve(args) -> int:
         max_draft=args.max_draft,
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_entries=max(args.prompt_cache_entries, 0),
+        prefill_step=args.prefill_step,
     )
     app = create_app(model, tokenizer, config, drafters)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

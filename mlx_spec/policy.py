@@ -239,23 +239,31 @@ class AdaptiveDraftLength(DraftPolicy):
         if self.plain is None or self._rounds_since_plain >= self.refresh_every:
             return Choice(plain_tokens=self.first_plain)
         best = self._best(limit, available)
-        if best is None:  # no drafter has anything to offer (a lookup found nothing)
+        # What the drafters would promise if each could draft in full: a lookup that finds
+        # nothing now may find something at the next token.
+        ideal = best if available is None else self._best(limit, None)
+        if ideal is None:
             return Choice(plain_tokens=1)
-        rate, arm, k = best
         needed = self.margin / 2 if self._speculating else self.margin
-        self._speculating = rate * self.plain > 1 + needed
-        if self._speculating:
+        if best is not None and best[0] * self.plain > 1 + needed:
+            self._speculating = True
+            rate, arm, k = best
             self._since_spec, self._probe_every = 0, self.probe_min
             self._rounds += 1
             if self._rounds % self.explore_every == 0:  # a neighbouring k keeps its estimates fresh
                 step = 1 if self._rounds // self.explore_every % 2 else -1
                 k = max(1, min(_cap(limit, available, arm), k + step))
             return Choice(arm, k)
-        if self._since_spec >= self._probe_every:  # probe: it may win now
+        if ideal[0] * self.plain > 1 + needed:
+            # Speculation would win but no drafter has enough to offer now: one plain step,
+            # then look again (a pipelined stretch would pass over the next match).
+            return Choice(plain_tokens=1)
+        self._speculating = False
+        if self._since_spec >= self._probe_every and best is not None:  # probe: it may win now
             self._since_spec = 0
             self._probe_every = min(2 * self._probe_every, self.probe_max)
-            return Choice(arm, k)
-        return Choice(plain_tokens=self._probe_every - self._since_spec)
+            return Choice(best[1], best[2])
+        return Choice(plain_tokens=max(1, self._probe_every - self._since_spec))
 
     # --- observations ------------------------------------------------------------------------
 

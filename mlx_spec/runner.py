@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 from mlx_spec.cache import (
     CacheRollback,
     PrefixSnapshot,
@@ -77,14 +79,29 @@ class ModelRunner:
         Returns:
             `[len(tokens), hidden]` final hidden states when the runner keeps them, else None.
         """
+        steps = self.prefill_steps(tokens, hidden)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(
+        self, tokens: list[int], hidden: mx.array | None = None, step: int = PREFILL_STEP
+    ) -> Generator[int, None, mx.array | None]:
+        """`prefill` one chunk of `step` tokens at a time: yields the number of tokens fed
+        after every chunk but the last (so a scheduler can run other work in between) and
+        returns what `prefill` returns."""
         kept = []
-        for start in range(0, len(tokens), PREFILL_STEP):
-            chunk = mx.array(tokens[start : start + PREFILL_STEP], mx.uint32)
-            cond = None if hidden is None else hidden[start : start + PREFILL_STEP]
+        for start in range(0, len(tokens), step):
+            chunk = mx.array(tokens[start : start + step], mx.uint32)
+            cond = None if hidden is None else hidden[start : start + step]
             self._forward(chunk, cond)
             kept += [self.last_hidden] if self._tap else []
             mx.eval([c.state for c in self.cache], kept[-1:])
             self.length += chunk.size
+            if start + step < len(tokens):
+                yield start + step
         if self._tap is None:
             return None
         return mx.concatenate(kept) if kept else mx.zeros((0, 1))

@@ -3,10 +3,13 @@
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both streaming over SSE or not),
 `GET /v1/models` and `GET /health`. FastAPI + uvicorn carry the HTTP; all MLX work happens on
 one engine thread (models and caches are not shared across threads), which keeps up to
-`max_concurrent` generations active and advances them round-robin, one token each, while later
-requests wait first-in first-out. Each request has its own caches and drafter; the extra field
+`max_concurrent` generations active and advances them round-robin, one round each (a long
+prompt is prefilled one chunk per turn), while later requests wait first-in first-out. Each
+request has its own caches and drafter, taken from the prompt cache when an earlier request
+left some with a prefix in common (`prompt_cache.py`); the extra field
 `"speculative": {"enabled", "drafter", "num_draft"}` chooses speculation per request, and
-`usage.speculative` reports it.
+`usage.speculative` reports it. Tool calls are parsed with mlx-lm's parsers (`tools.py`); the
+Anthropic Messages API is served beside the OpenAI one (`anthropic_api.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.prompt_cache import PromptCache
 from mlx_spec.runner import context_limit
-from mlx_spec.session import Session
+from mlx_spec.session import PREFILLING, Session
 from mlx_spec.stats import SpecStats
 from mlx_spec.tools import (
     PlainText,
@@ -347,6 +350,8 @@ class Engine:
             job.put(exc)
             self._finish(job, "failed")
             return
+        if chunk is PREFILLING:  # a chunk of a long prompt: the other streams go on
+            return
         job.put(chunk)
         if chunk.token is None:
             self._finish(job, "completed")
@@ -404,6 +409,8 @@ class ServerConfig:
         prompt_cache_bytes: the most bytes the caches of finished requests may keep for reuse
             by later requests sharing a prefix (0: no prompt cache).
         prompt_cache_entries: the most finished requests' caches kept.
+        prefill_step: prompts are prefilled in chunks of this many tokens, each followed by a
+            step of every other active stream.
     """
 
     model_id: str = "model"
@@ -417,6 +424,7 @@ class ServerConfig:
     max_draft: int = 8
     prompt_cache_bytes: int = 2 << 30
     prompt_cache_entries: int = 32
+    prefill_step: int = 256
 
 
 class _BodyLimit:
@@ -827,6 +835,7 @@ class _Server:
                 top_k=top_k,
                 max_tokens=plan.max_tokens,
                 stop=tuple(plan.stops),
+                prefill_step=self.config.prefill_step,
             )
 
         def release(outcome: str) -> None:  # on the engine thread, after the stream closed

@@ -38,6 +38,16 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+class _Prefilling:
+    """What `Session.stream(..., prefill_step=N)` yields between prefill chunks."""
+
+    def __repr__(self) -> str:
+        return "PREFILLING"
+
+
+PREFILLING = _Prefilling()
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
@@ -147,12 +157,17 @@ class Session:
         max_tokens: int = 256,
         seed: int | None = None,
         stop: Sequence[str] = (),
+        prefill_step: int | None = None,
     ) -> Iterator[GenerationChunk]:
         """Generate from `prompt` (the whole conversation so far, as text or token ids),
         reusing the cached prefix it shares with the earlier turns. Arguments and chunks are
         those of `stream_generate`; `num_draft` defaults to the session's (0: plain decoding
         this turn). Closing the generator early (or Ctrl-C between chunks) keeps the caches
-        consistent with the tokens emitted so far."""
+        consistent with the tokens emitted so far.
+
+        `prefill_step`: prefill the prompt in chunks of that many tokens and yield
+        `PREFILLING` after each chunk but the last, so that a scheduler can run other work in
+        between (the server interleaves long prefills with other streams' decoding)."""
         num_draft = self.num_draft if num_draft is None else num_draft
         max_draft = self.max_draft if max_draft is None else max_draft
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
@@ -172,7 +187,9 @@ class Session:
             self._reset_target(stats, keep_drafter=False)
         self._broken = True  # until this turn has settled
         tic = time.perf_counter()
-        hidden_start, hidden = self._prefill(ids, stats, drafter is not None)
+        hidden_start, hidden = yield from self._prefill(
+            ids, stats, drafter is not None, prefill_step
+        )
         if drafter is not None:
             self._follow(drafter, ids, hidden_start, hidden, stats)
         stats.prefill_seconds = time.perf_counter() - tic
@@ -220,11 +237,10 @@ class Session:
             self._drafter_sequence = self._sequence
         self._broken = False
 
-    def _prefill(
-        self, ids: list[int], stats: SpecStats, drafting: bool
-    ) -> tuple[int, mx.array | None]:
-        """Bring the target's cache to `ids[:-1]`; returns where the prefill started and the
-        hidden states of the tokens it fed (if kept)."""
+    def _prefill(self, ids: list[int], stats: SpecStats, drafting: bool, step: int | None):
+        """Bring the target's cache to `ids[:-1]` (yielding `PREFILLING` between chunks of
+        `step` tokens, if given); returns where the prefill started and the hidden states of
+        the tokens it fed (if kept)."""
         start = self._reuse_point(ids, drafting)
         if not self.target.truncate(start):
             if self._usable_snapshot(start):
@@ -234,7 +250,17 @@ class Session:
                 self._reset_target(stats)
                 start = 0
         stats.cached_tokens = start
-        hidden = self.target.prefill(ids[start:-1])
+        if step is None:
+            hidden = self.target.prefill(ids[start:-1])
+        else:
+            steps = self.target.prefill_steps(ids[start:-1], step=step)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    hidden = done.value
+                    break
+                yield PREFILLING
         self._snapshot = self.target.snapshot()
         return start, hidden
 

@@ -186,3 +186,18 @@ def test_only_drafters_with_something_to_offer_are_chosen():
         choice = policy.choose(4, [None, 1])
         assert choice.arm == 0 or choice.num_draft == 1
     assert policy.choose(4, [0, 0]) == Choice(plain_tokens=1)
+
+
+def test_a_losing_lookup_with_nothing_to_offer_gets_plain_stretches():
+    """A lookup drafter that would lose even with a match (right 10% of the time: sampling at
+    a high temperature) and finds nothing now: pipelined plain stretches with probes, not one
+    synchronised plain step per token; a winning one with nothing now: one step, then look
+    again."""
+    losing = AdaptiveDraftLength(4)
+    simulate(losing, [0.1], [0.0], rounds=60)
+    stretches = [losing.choose(4, [0]) for _ in range(3)]
+    assert all(c.plain_tokens > 1 for c in stretches)
+    winning = AdaptiveDraftLength(4)
+    simulate(winning, [1.0], [0.0], rounds=60)
+    assert winning.choose(4, [0]) == Choice(plain_tokens=1)
+    assert winning.choose(4, [2]) == Choice(0, 2)

@@ -5,11 +5,13 @@ only its new tokens and answers as from scratch)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import mlx_spec
 from mlx_spec.chat import fallback_prompt
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
+from mlx_spec.server import Engine, Job, ServerConfig, create_app, drafter_factories
+from mlx_spec.session import PREFILLING, Session
 
 import anthropic
 import httpx
@@ -283,3 +285,49 @@ def test_conversation_turns_reuse_the_cache(checkpoints, family, drafter):
         assert all(cached[t] >= prompts[t - 1] - 1 for t in range(1, 4)), (cached, prompts)
         status = httpx.get(f"{url}/health").json()["prompt_cache"]
         assert status["hits"] >= 3 and status["entries"] >= 1 and status["bytes"] > 0
+
+
+# ------------------------------------------------------------------------ chunked prefill
+
+
+def test_a_long_prefill_interleaves_with_other_streams(loaded):
+    """A long prompt is prefilled one chunk per engine turn: the stream already running gets
+    tokens between its chunks; both outputs equal their single-stream greedy outputs."""
+    model, tok, _, _ = loaded["llama"]
+    tok = with_eos(tok)
+    log = []
+
+    def opener(name, prompt, step):
+        def open_stream():
+            for chunk in Session(model, tok, num_draft=0).stream(
+                prompt, max_tokens=12, prefill_step=step
+            ):
+                log.append((name, chunk is PREFILLING))
+                yield chunk
+
+        return open_stream
+
+    short, long = [5, 6, 7], [3 + (i * 7) % 17 for i in range(300)]
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        engine = Engine(max_concurrent=2)
+        jobs = [Job(opener("a", short, 16), loop), Job(opener("b", long, 16), loop)]
+        for job in jobs:
+            engine.submit(job)
+        outputs = []
+        for job in jobs:
+            tokens = []
+            while (chunk := await job.queue.get()).token is not None:
+                tokens.append(chunk.token)
+            outputs.append(tokens)
+        engine.close()
+        return outputs
+
+    outputs = asyncio.run(run())
+    for prompt, tokens in zip((short, long), outputs, strict=True):
+        assert tokens == mlx_spec.generate(model, tok, prompt, max_tokens=12).tokens
+    chunks = [i for i, (name, marker) in enumerate(log) if name == "b" and marker]
+    assert len(chunks) == (len(long) - 1 + 15) // 16 - 1  # all chunks but the last
+    between = [name for name, _ in log[chunks[0] : chunks[-1]]]
+    assert between.count("a") >= min(len(chunks) - 1, 12)  # "a" decoded meanwhile
