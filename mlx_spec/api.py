@@ -18,7 +18,7 @@ from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.ngram import NgramDrafter
-from mlx_spec.policy import AdaptiveDraftLength, DraftPolicy, FixedDraftLength
+from mlx_spec.policy import AdaptiveDraftLength, DraftPolicy, FixedDraftLength, memory_of
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -209,16 +209,26 @@ def draft_label(num_draft) -> int | str:
 
 
 def make_policy(
-    num_draft: int | str | DraftPolicy, max_draft: int, drafter: Drafter
+    num_draft: int | str | DraftPolicy,
+    max_draft: int,
+    drafter: Drafter,
+    *,
+    model: nn.Module | None = None,
+    sampling: SamplingConfig | None = None,
 ) -> DraftPolicy:
     """The draft-length policy for `num_draft`: "auto" measures and adapts k in 0..max_draft
     (and picks among a group's drafters); an integer drafts that many every round; a
-    `DraftPolicy` is used as it is."""
+    `DraftPolicy` is used as it is. With `model`, an "auto" policy is taken from the
+    target's `PolicyMemory` (what earlier generations with the same drafter and sampling
+    settings learned), else made new."""
     if isinstance(num_draft, DraftPolicy):
         return num_draft
     arms = len(drafter.arm_names)
     if num_draft == AUTO:
-        return AdaptiveDraftLength(max_draft, arms)
+        if model is None:
+            return AdaptiveDraftLength(max_draft, arms)
+        key = (drafter.identity, sampling, max_draft)
+        return memory_of(model).get(key, lambda: AdaptiveDraftLength(max_draft, arms))
     if arms > 1:
         return AdaptiveDraftLength(num_draft, arms, fixed=num_draft)
     return FixedDraftLength(num_draft)
@@ -280,7 +290,9 @@ def stream_generate(
     check_fits(ids, target)
     if seed is not None:
         mx.random.seed(seed)
-    policy = make_policy(num_draft, max_draft, drafter) if drafter is not None else None
+    policy = None
+    if drafter is not None:
+        policy = make_policy(num_draft, max_draft, drafter, model=model, sampling=sampling)
     stats = SpecStats(
         drafter=drafter.name if drafter else "none",
         num_draft=draft_label(num_draft),
@@ -353,7 +365,7 @@ def decode(
             trace=trace,
         )
     try:
-        yield from _emit(rounds, tokenizer, stats, StopMatcher(stop), max_tokens)
+        yield from _emit(rounds, tokenizer, stats, stop, max_tokens)
     finally:
         stats.replays += _replays(target, drafter) - replays
 
@@ -362,18 +374,58 @@ def _replays(target: ModelRunner, drafter: Drafter | None) -> int:
     return target.replays + getattr(getattr(drafter, "runner", None), "replays", 0)
 
 
+class OutputCutter:
+    """Turns one generation's rounds into chunks, cutting at EOS, a stop string or max_tokens.
+
+    `round(rnd)` returns the round's chunks up to the first stopping point, the finish reason
+    if the output ended there, and how many of the round's tokens stay in the sequence (an EOS
+    token does; None: all); `final(finish)` the last chunk (held-back text, finish reason and
+    stats). The stats observe each round as it was emitted.
+    """
+
+    def __init__(self, tokenizer, stats: SpecStats, stop: Sequence[str], max_tokens: int):
+        self.detokenizer = copy.copy(tokenizer.detokenizer)  # own state: streams may interleave
+        self.detokenizer.reset()
+        self.eos = set(tokenizer.eos_token_ids)
+        self.stopper = StopMatcher(stop)
+        self.stats, self.max_tokens = stats, max_tokens
+
+    def round(self, rnd: Round) -> tuple[list[GenerationChunk], str | None, int | None]:
+        chunks = []
+        for i, token in enumerate(rnd.tokens):
+            if token in self.eos:
+                return chunks, "stop", i + 1
+            self.detokenizer.add_token(token)
+            text, hit = self.stopper.feed(self.detokenizer.last_segment)
+            chunks.append(GenerationChunk(text=text, token=token, from_draft=i < rnd.num_accepted))
+            if hit:
+                return chunks, "stop", i + 1
+            if self.stats.generated_tokens + len(chunks) >= self.max_tokens:
+                return chunks, "length", i + 1
+        return chunks, None, None
+
+    def final(self, finish: str | None) -> GenerationChunk:
+        self.detokenizer.finalize()
+        tail = self.stopper.feed(self.detokenizer.last_segment)[0] + self.stopper.flush()
+        return GenerationChunk(
+            text=tail,
+            token=None,
+            finish_reason=finish or "length",
+            stats=self.stats,
+            stop_sequence=self.stopper.hit,
+        )
+
+
 def _emit(
-    rounds: Iterator[Round], tokenizer, stats: SpecStats, stopper: StopMatcher, max_tokens: int
+    rounds: Iterator[Round], tokenizer, stats: SpecStats, stop: Sequence[str], max_tokens: int
 ) -> Iterator[GenerationChunk]:
-    """Turn rounds into chunks, cutting at EOS, a stop string or max_tokens; each round is cut
-    (`Round.keep`) where the output ended, or after the last chunk its consumer took."""
-    detokenizer = copy.copy(tokenizer.detokenizer)  # own state: streams may interleave
-    detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids)
+    """Turn rounds into chunks (`OutputCutter`); each round is cut (`Round.keep`) where the
+    output ended, or after the last chunk its consumer took."""
+    cutter = OutputCutter(tokenizer, stats, stop, max_tokens)
     finish, tic = "length", time.perf_counter()
     try:
         for rnd in rounds:
-            emitted, finish, keep = _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens)
+            emitted, finish, keep = cutter.round(rnd)
             for i, chunk in enumerate(emitted):
                 rnd.keep = i + 1
                 try:
@@ -390,32 +442,7 @@ def _emit(
     finally:
         rounds.close()
         stats.decode_seconds = time.perf_counter() - tic
-    detokenizer.finalize()
-    tail = stopper.feed(detokenizer.last_segment)[0] + stopper.flush()
-    yield GenerationChunk(
-        text=tail,
-        token=None,
-        finish_reason=finish or "length",
-        stats=stats,
-        stop_sequence=stopper.hit,
-    )
-
-
-def _emit_round(rnd, detokenizer, eos, stopper, stats, max_tokens):
-    """Chunks of one round up to the first stopping point, the finish reason if it ended, and
-    how many of the round's tokens stay in the sequence (an EOS token does; None: all)."""
-    chunks = []
-    for i, token in enumerate(rnd.tokens):
-        if token in eos:
-            return chunks, "stop", i + 1
-        detokenizer.add_token(token)
-        text, hit = stopper.feed(detokenizer.last_segment)
-        chunks.append(GenerationChunk(text=text, token=token, from_draft=i < rnd.num_accepted))
-        if hit:
-            return chunks, "stop", i + 1
-        if stats.generated_tokens + len(chunks) >= max_tokens:
-            return chunks, "length", i + 1
-    return chunks, None, None
+    yield cutter.final(finish)
 
 
 def generate(

@@ -13,11 +13,21 @@ drafter computes. Each round it picks the k in 1..K (and the arm) that maximises
 tokens per second, E(k) / (k c + v_k), with E(k) = 1 + sum_{j=1..k} prod_{i<=j} a_i, and
 compares it with plain decoding (1 / the measured plain step time). When plain decoding wins it
 asks for a stretch of plain steps and probes speculation again after it, at doubling intervals
-while it keeps losing.
+while it keeps losing, never so often that probing costs more than about 1% of the time.
+
+A lookup drafter (n-gram) can have nothing to offer at a position; while it wins, the policy
+then takes one synchronised plain step and looks again. Those waiting steps are charged to the
+drafter: its rate is (E(k) + w) / (T(k) + w t_wait), w waiting steps per round.
+
+`PolicyMemory` keeps policies across generations (per target, drafter and sampling settings),
+so a process that generates repeatedly (a server, a chat, a benchmark) does not pay for
+learning the same costs twice.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
@@ -109,6 +119,38 @@ class _Arm:
     trials: list[float]  # ... that reached it (the drafts before it were kept)
     seconds: _Line = field(default_factory=_Line)  # round time against drafts verified
     fill: float = 1.0  # drafted / asked (a lookup drafter may find fewer than asked)
+    rounds: float = 0.0  # decayed count of its rounds ...
+    waits: float = 0.0  # ... and of the plain steps taken while it had nothing to offer
+
+
+def chain_acceptance(
+    hits: list[float], trials: list[float], prior: float, weight: float
+) -> list[float]:
+    """P(position i kept | positions before it kept) from kept / reached counts, each position
+    shrunk towards the estimate of the one before it (the first towards `prior`) with `weight`
+    pseudo-rounds."""
+    out = []
+    for h, t in zip(hits, trials, strict=True):
+        prior = (h + weight * prior) / (t + weight)
+        out.append(prior)
+    return out
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i: tokens a round with k drafts emits."""
+    total, keep = 1.0, 1.0
+    for a in acceptance[:k]:
+        keep *= a
+        total += keep
+    return total
+
+
+def count_round(hits: list[float], trials: list[float], asked: int, accepted: int) -> None:
+    """Count a round in place: positions up to the first rejection were reached, those before
+    it kept. Positions asked for but not proposed (a lookup that found fewer) are rejections."""
+    for i in range(min(accepted + 1, asked)):
+        trials[i] += 1.0
+        hits[i] += float(i < accepted)
 
 
 def _cap(limit: int, available: list[int | None] | None, arm: int) -> int:
@@ -147,7 +189,10 @@ class AdaptiveDraftLength(DraftPolicy):
         explore_every: every this many speculative rounds, k one above or below the best is
             drafted instead, so the estimates of its neighbours stay current.
         probe_min, probe_max: plain steps before speculation is probed again; the interval
-            doubles after each probe that does not win, up to probe_max.
+            doubles after each probe that does not win, up to probe_max, or further where a
+            probe costs so much that probing every probe_max tokens would cost more than
+            `probe_budget` of the time (then up to 8 times that interval).
+        probe_budget: the share of decoding time that probing a losing drafter may cost.
     """
 
     def __init__(
@@ -167,6 +212,7 @@ class AdaptiveDraftLength(DraftPolicy):
         explore_every: int = 16,
         probe_min: int = 4,
         probe_max: int = 32,
+        probe_budget: float = 0.01,
     ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
@@ -177,32 +223,32 @@ class AdaptiveDraftLength(DraftPolicy):
         self.decay, self.idle_decay, self.alpha, self.margin = decay, idle_decay, alpha, margin
         self.first_plain, self.refresh_every = first_plain, refresh_every
         self.explore_every = explore_every
-        self.probe_min, self.probe_max = probe_min, probe_max
-        self.plain: float | None = None  # seconds per plain step
+        self.probe_min, self.probe_max, self.probe_budget = probe_min, probe_max, probe_budget
+        self.plain: float | None = None  # seconds per plain step, pipelined
+        self.wait: float | None = None  # seconds of one synchronised plain step (a wait)
         self._since_spec = 0  # plain steps since the last speculative round
         self._probe_every = probe_min
         self._rounds_since_plain = 0
         self._rounds = 0  # speculative rounds chosen for their rate
         self._speculating = False  # the last choice was a speculative round that won
+        self._waiting: int | None = None  # the arm a one-step wait was taken for
+
+    def resume(self) -> None:
+        """Start another generation with what was learned (the estimates stay; the plain step
+        is timed again first, since the context and the machine's load may differ)."""
+        self._since_spec, self._waiting, self._speculating = 0, None, False
+        self._rounds_since_plain = self.refresh_every  # time a stretch of plain steps first
 
     # --- estimates ---------------------------------------------------------------------------
 
     def acceptance(self, arm: int) -> list[float]:
         """Estimated P(position i kept | positions before it kept), i = 0..K-1."""
         a = self.arms[arm]
-        out, prior = [], self.prior_accept
-        for hits, trials in zip(a.hits, a.trials, strict=True):
-            prior = (hits + self.prior_weight * prior) / (trials + self.prior_weight)
-            out.append(prior)
-        return out
+        return chain_acceptance(a.hits, a.trials, self.prior_accept, self.prior_weight)
 
     def expected_tokens(self, arm: int, k: int) -> float:
         """E(k): tokens a round with k drafts emits, the recovered or bonus token included."""
-        total, keep = 1.0, 1.0
-        for a in self.acceptance(arm)[:k]:
-            keep *= a
-            total += keep
-        return total
+        return expected_tokens(self.acceptance(arm), k)
 
     def round_seconds(self, arm: int, k: int) -> float:
         """Predicted seconds of a round asking `arm` for k drafts (a drafter that proposes
@@ -220,15 +266,27 @@ class AdaptiveDraftLength(DraftPolicy):
         """Predicted tokens per second of rounds asking `arm` for k drafts."""
         return self.expected_tokens(arm, k) / self.round_seconds(arm, k)
 
+    def mode_rate(self, arm: int, k: int) -> float:
+        """Predicted tokens per second of drafting with `arm` whenever it has something to
+        offer and waiting one synchronised plain step whenever it has not."""
+        a = self.arms[arm]
+        waits = a.waits / a.rounds if a.rounds > 0 else 0.0  # per round
+        wait = self.wait or 1.1 * (self.plain or 1.0)
+        tokens = self.expected_tokens(arm, k) + waits
+        return tokens / (self.round_seconds(arm, k) + waits * wait)
+
     # --- choice ------------------------------------------------------------------------------
 
-    def _best(self, limit: int, available) -> tuple[float, int, int] | None:
-        """(rate, arm, k) of the best round an arm can draft now, None if none can."""
+    def _best(self, limit: int, available, mode: bool = False) -> tuple[float, int, int] | None:
+        """(rate, arm, k) of the best round an arm can draft now (`available`: per arm, what
+        it has to offer; None: all it is asked for), or None if none can. `mode`: rank by
+        `mode_rate`, the rate of drafting with the arm whenever it can."""
         options = []
+        rate = self.mode_rate if mode else self.rate
         for arm in range(len(self.arms)):
             cap = _cap(limit, available, arm)
             ks = range(1, cap + 1) if self.fixed is None else [min(self.fixed, cap)]
-            options += [(self.rate(arm, k), arm, k) for k in ks if k > 0]
+            options += [(rate(arm, k), arm, k) for k in ks if k > 0]
         return max(options) if options else None
 
     def choose(self, limit: int, available: list[int | None] | None = None) -> Choice:
@@ -238,32 +296,39 @@ class AdaptiveDraftLength(DraftPolicy):
             return Choice(best[1], best[2]) if best else Choice(0, 0)
         if self.plain is None or self._rounds_since_plain >= self.refresh_every:
             return Choice(plain_tokens=self.first_plain)
-        best = self._best(limit, available)
-        # What the drafters would promise if each could draft in full: a lookup that finds
-        # nothing now may find something at the next token.
-        ideal = best if available is None else self._best(limit, None)
-        if ideal is None:
+        # Speculating pays when the best drafter, drafting whenever it has something to offer
+        # and waiting a plain step otherwise, beats plain decoding.
+        ideal = self._best(limit, None, mode=True)
+        if ideal is None:  # no room for a draft
             return Choice(plain_tokens=1)
         needed = self.margin / 2 if self._speculating else self.margin
-        if best is not None and best[0] * self.plain > 1 + needed:
+        best = self._best(limit, available)
+        if ideal[0] * self.plain > 1 + needed:
             self._speculating = True
-            rate, arm, k = best
             self._since_spec, self._probe_every = 0, self.probe_min
+            if best is None or best[0] * (self.wait or self.plain) < 1:
+                self._waiting = ideal[1]  # nothing worth drafting now: one step, look again
+                return Choice(plain_tokens=1)
+            rate, arm, k = best
             self._rounds += 1
             if self._rounds % self.explore_every == 0:  # a neighbouring k keeps its estimates fresh
                 step = 1 if self._rounds // self.explore_every % 2 else -1
                 k = max(1, min(_cap(limit, available, arm), k + step))
             return Choice(arm, k)
-        if ideal[0] * self.plain > 1 + needed:
-            # Speculation would win but no drafter has enough to offer now: one plain step,
-            # then look again (a pipelined stretch would pass over the next match).
-            return Choice(plain_tokens=1)
         self._speculating = False
         if self._since_spec >= self._probe_every and best is not None:  # probe: it may win now
             self._since_spec = 0
-            self._probe_every = min(2 * self._probe_every, self.probe_max)
+            self._probe_every = self._next_probe_interval(best[1], best[2])
             return Choice(best[1], best[2])
         return Choice(plain_tokens=max(1, self._probe_every - self._since_spec))
+
+    def _next_probe_interval(self, arm: int, k: int) -> int:
+        """Plain steps before the probe after this one: twice the last interval, at least what
+        keeps the probe's expected loss within `probe_budget` of the time in between."""
+        loss = self.round_seconds(arm, k) - self.expected_tokens(arm, k) * self.plain
+        need = max(0.0, loss) / (self.probe_budget * self.plain)
+        cap = max(self.probe_max, 8 * need)
+        return int(min(max(2 * self._probe_every, math.ceil(need)), cap))
 
     # --- observations ------------------------------------------------------------------------
 
@@ -277,16 +342,20 @@ class AdaptiveDraftLength(DraftPolicy):
             factor = self.decay if i == arm else self.idle_decay
             other.hits = [h * factor for h in other.hits]
             other.trials = [t * factor for t in other.trials]
+            other.rounds, other.waits = other.rounds * factor, other.waits * factor
         a = self.arms[arm]
-        # Positions past `drafted` were asked for but not proposed: they count as rejected.
-        for i in range(min(accepted + 1, asked)):
-            a.trials[i] += 1.0
-            a.hits[i] += float(i < accepted)
+        a.rounds += 1.0
+        count_round(a.hits, a.trials, asked, accepted)
         a.fill = _ema(a.fill, drafted / asked, self.alpha)
         predicted = self._seconds_at(arm, drafted) if a.seconds.sums[0] > 0 else seconds
         a.seconds.add(drafted, min(seconds, 3 * predicted), keep=self.decay)
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
+        if self._waiting is not None:  # a wait: charged to the drafter that had nothing
+            self.arms[self._waiting].waits += tokens
+            self.wait = _ema(self.wait, seconds / tokens, self.alpha)
+            self._waiting = None
+            return
         weight = min(1.0, self.alpha * tokens)  # a long stretch counts as several samples
         self.plain = _ema(self.plain, seconds / tokens, weight)
         self._since_spec += tokens
@@ -294,3 +363,37 @@ class AdaptiveDraftLength(DraftPolicy):
 
     def describe(self) -> str:
         return f"auto (1-{self.max_draft})" if self.fixed is None else str(self.fixed)
+
+
+class PolicyMemory:
+    """Policies kept across generations of one target, keyed by drafter and sampling settings,
+    so that what one generation measured (acceptance, costs, which drafter wins) serves the
+    next. Held by the target model (`memory_of`)."""
+
+    def __init__(self, max_entries: int = 64):
+        self.max_entries = max_entries
+        self._policies: dict[Hashable, DraftPolicy] = {}
+
+    def get(self, key: Hashable, make) -> DraftPolicy:
+        """The policy kept under `key` (resumed for a new generation), or `make()`'s."""
+        policy = self._policies.pop(key, None)
+        if policy is None:
+            policy = make()
+        elif isinstance(policy, AdaptiveDraftLength):
+            policy.resume()
+        self._policies[key] = policy  # most recently used last
+        while len(self._policies) > self.max_entries:
+            self._policies.pop(next(iter(self._policies)))
+        return policy
+
+
+_MEMORY_ATTR = "_mlx_spec_policy_memory"
+
+
+def memory_of(model) -> PolicyMemory:
+    """The `PolicyMemory` attached to a target model (created on first use)."""
+    memory = getattr(model, _MEMORY_ATTR, None)
+    if memory is None:
+        memory = PolicyMemory()
+        object.__setattr__(model, _MEMORY_ATTR, memory)
+    return memory

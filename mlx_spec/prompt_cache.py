@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from mlx_spec.session import Session
+from mlx_spec.session import Session, common_prefix
 
 
 @dataclass
@@ -103,3 +103,90 @@ def parse_bytes(text: str) -> int:
     if number < 0:
         raise ValueError(f"a byte count must be >= 0, got {text!r}")
     return int(number * scale)
+
+
+@dataclass
+class RowEntry:
+    """What `RowCache.take` hands out: the target's one-row cache cut back to `reuse` prompt
+    tokens, the drafters' states ({name: state}), how many first tokens the new prompt shares
+    with the sequence those states follow (`common`), and the target's hidden states of that
+    sequence (for drafters that read them; None if not kept)."""
+
+    cache: object
+    reuse: int
+    states: dict
+    common: int
+    hidden: object = None
+
+
+@dataclass
+class _RowItem:
+    tokens: list[int]
+    cache: object
+    states: dict
+    hidden: object
+    nbytes: int
+
+
+class RowCache:
+    """The prompt cache of the batching engine: finished rows' caches (the target's one-row
+    `BatchCache`, the drafters' states), least recently used first out.
+
+    Args:
+        max_bytes: the most bytes the entries may hold (0 disables the cache).
+        max_entries: the most entries.
+    """
+
+    def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 32):
+        if max_bytes < 0 or max_entries < 0:
+            raise ValueError("max_bytes and max_entries must be >= 0")
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._items: list[_RowItem] = []
+        self.counts = {"hits": 0, "misses": 0, "reused_tokens": 0, "evicted": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0 and self.max_entries > 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def take(self, prompt_ids: Sequence[int]) -> RowEntry | None:
+        """The entry that saves `prompt_ids` the most prefill, removed from the cache and cut
+        back to what the prompt shares (its last token is always prefilled anew), or None."""
+        best, best_reuse, best_common = None, 0, 0
+        for item in self._items:
+            common = common_prefix(item.tokens, prompt_ids)
+            reuse = min(common, len(prompt_ids) - 1, item.cache.lengths[0])
+            if reuse > best_reuse and item.cache.can_truncate(reuse):
+                best, best_reuse, best_common = item, reuse, common
+        if best is None:
+            self.counts["misses"] += 1
+            return None
+        self._items.remove(best)
+        best.cache.truncate([best_reuse])
+        self.counts["hits"] += 1
+        self.counts["reused_tokens"] += best_reuse
+        return RowEntry(best.cache, best_reuse, best.states, best_common, best.hidden)
+
+    def put(self, tokens: list[int], cache, states: dict, hidden=None) -> None:
+        """Keep a finished row (most recently used), then evict down to the limits."""
+        if not self.enabled or not cache.lengths[0]:
+            return
+        nbytes = cache.nbytes + sum(getattr(s, "nbytes", 0) for s in states.values() if s)
+        nbytes += 0 if hidden is None else hidden.nbytes
+        self._items.append(_RowItem(list(tokens), cache, states, hidden, nbytes))
+        total = self.nbytes
+        while self._items and (total > self.max_bytes or len(self._items) > self.max_entries):
+            total -= self._items.pop(0).nbytes
+            self.counts["evicted"] += 1
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def status(self) -> dict:
+        return {"entries": len(self), "bytes": self.nbytes, **self.counts}

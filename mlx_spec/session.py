@@ -90,7 +90,6 @@ class Session:
             self.drafter.check_compatible(model, self.tokenizer, self.vocab_size)
         self.num_draft = num_draft
         self.max_draft = max_draft
-        self._policies: dict = {}  # (num_draft, max_draft) -> its policy, kept across turns
         self.last_stats: SpecStats | None = None
         self.reset()
 
@@ -201,7 +200,7 @@ class Session:
                 ids[-1],
                 self.tokenizer,
                 sampling,
-                self._policy(drafter, num_draft, max_draft),
+                self._policy(drafter, num_draft, max_draft, sampling),
                 max_tokens,
                 stats,
                 stop,
@@ -213,13 +212,12 @@ class Session:
         else:
             self._commit(ids, trace, drafter)
 
-    def _policy(self, drafter: Drafter | None, num_draft: int | str, max_draft: int):
+    def _policy(self, drafter: Drafter | None, num_draft, max_draft: int, sampling):
+        """The turn's policy; "auto" keeps what earlier turns (and other conversations with
+        the same target, drafter and sampling settings) learned."""
         if drafter is None:
             return None
-        key = (num_draft, max_draft)
-        if key not in self._policies:
-            self._policies[key] = make_policy(num_draft, max_draft, drafter)
-        return self._policies[key]
+        return make_policy(num_draft, max_draft, drafter, model=self.model, sampling=sampling)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         """Run `stream` to the end; returns a `GenerationResult` (text, stats, tokens, ...)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from mlx_spec.sampling import SamplingConfig
@@ -36,6 +37,12 @@ class Drafter(ABC):
     name: str = "drafter"
     # True: `begin` and `accept` receive the target's final hidden states (the head's input).
     needs_hidden: bool = False
+
+    @property
+    def identity(self) -> Hashable:
+        """What makes two drafters draft alike (the weights they run, their settings), so
+        that a policy learned with one serves the other; by default the object itself."""
+        return id(self)
 
     @property
     def arm_names(self) -> list[str]:

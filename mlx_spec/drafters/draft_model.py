@@ -65,6 +65,10 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
+    @property
+    def identity(self):
+        return (self.name, id(self.model))
+
     def __init__(self, model: nn.Module, tokenizer):
         self.model = model
         self.tokenizer = tokenizer

@@ -102,6 +102,10 @@ class Gemma4AssistantDrafter(Drafter):
     name = "gemma4-assistant"
     needs_hidden = True
 
+    @property
+    def identity(self):
+        return (self.name, id(self.assistant))
+
     def __init__(self, assistant: Gemma4Assistant, target: nn.Module, where: str = "assistant"):
         self.owners = check_pair(assistant.args, target, where)
         self.assistant = assistant

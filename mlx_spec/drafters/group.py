@@ -39,6 +39,10 @@ class DrafterGroup(Drafter):
         return sum(d.nbytes for d in self.drafters)
 
     @property
+    def identity(self):
+        return tuple(d.identity for d in self.drafters)
+
+    @property
     def arm_names(self) -> list[str]:
         return [d.name for d in self.drafters]
 

@@ -37,6 +37,10 @@ class MTPDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
 
+    @property
+    def identity(self):
+        return (self.name, id(self.module))
+
     def __init__(self, module: MTPModule, target: nn.Module):
         self.module = module
         self.target = target

@@ -34,6 +34,10 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
+    @property
+    def identity(self):
+        return (self.name, self.max_ngram, self.min_ngram)
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")

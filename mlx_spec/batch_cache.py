@@ -1,0 +1,356 @@
+"""A KV cache for a batch of sequences that each grow, and roll back, by their own amount.
+
+mlx-lm's `BatchKVCache` keeps every row's tokens contiguous and right-aligned, so a row can only
+lose tokens from its end by rolling its whole cache (a copy of everything, every round). Here
+each cache column instead records, per row, the logical position of the token stored there
+(-1: nothing). Attention masks are computed from those positions, so:
+
+- a chunk of different lengths per row is fed right-padded (the pads get position -1);
+- rolling row i back to L tokens marks its columns at positions >= L empty, copying nothing;
+- sliding windows are masks over positions (`pos > query - window`), exact after any rollback;
+- rows join (`extend`) and leave (`filter`) between steps, and one row is taken out compact
+  (`extract`) for a prompt cache.
+
+Empty columns left by rollbacks are squeezed out by `compact` once they make up a large part of
+the cache. One `_Positions` object is shared by every layer of a window group (full attention,
+or one sliding-window size); the layers' `BatchLayerCache`s hold the keys and values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+STEP = 256  # columns are allocated in steps of this many
+EMPTY = -1
+# Columns of a sliding-window group older than the window by more than this stay until a
+# compaction drops them: a rollback of up to this many tokens still finds its window exact.
+DEAD_MARGIN = 64
+
+
+class _Positions:
+    """Per row: the position of the token in each column (EMPTY if none) and the next position.
+
+    Args:
+        batch: rows.
+        window: the group's sliding window (None: full attention).
+    """
+
+    def __init__(self, batch: int, window: int | None = None):
+        self.window = window
+        self.pos = mx.full((batch, 0), EMPTY, mx.int32)  # [B, capacity]
+        self.offset = mx.zeros((batch,), mx.int32)  # [B] tokens held (the next position)
+        self.lengths = [0] * batch  # the same, as Python ints
+        self.idx = 0  # columns in use
+        self.chunk = 0  # width of the chunk being fed
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    def begin(self, lengths: Sequence[int]) -> None:
+        """Reserve columns for a chunk of `max(lengths)` tokens; row i's first `lengths[i]`
+        get the positions after its tokens, its pads stay EMPTY."""
+        n = max(lengths)
+        self.chunk = n
+        if self.idx + n > self.pos.shape[1]:
+            grow = ((self.idx + n - self.pos.shape[1] + STEP - 1) // STEP) * STEP
+            self.pos = mx.concatenate([self.pos, mx.full((self.batch, grow), EMPTY, mx.int32)], 1)
+        j = mx.arange(n)[None]  # [1, n]
+        fed = mx.array(list(lengths), mx.int32)[:, None]  # [B, 1]
+        new = mx.where(j < fed, self.offset[:, None] + j, EMPTY)  # [B, n]
+        self.pos[:, self.idx : self.idx + n] = new
+
+    def end(self, lengths: Sequence[int]) -> None:
+        """The chunk was fed: row i now holds `lengths[i]` more tokens."""
+        self.idx += self.chunk
+        self.chunk = 0
+        self.lengths = [a + b for a, b in zip(self.lengths, lengths, strict=True)]
+        self.offset = mx.array(self.lengths, mx.int32)
+
+    def mask(self, n: int, window: int | None) -> mx.array:
+        """`[B, 1, n, idx + n]` bool: query j of row i (position offset_i + j) sees the columns
+        holding positions <= its own (and within the window)."""
+        pos = self.pos[:, None, : self.idx + n]  # [B, 1, C]
+        query = (self.offset[:, None] + mx.arange(n)[None])[:, :, None]  # [B, n, 1]
+        visible = (pos >= 0) & (pos <= query)
+        window = window or self.window
+        if window is not None:
+            visible = visible & (pos > query - window)
+        return visible[:, None]
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Keep only the first `lengths[i]` tokens of row i."""
+        if any(new > old for new, old in zip(lengths, self.lengths, strict=True)):
+            raise ValueError(f"cannot grow rows by truncation: {self.lengths} -> {list(lengths)}")
+        keep = mx.array(list(lengths), mx.int32)[:, None]
+        self.pos = mx.where(self.pos >= keep, EMPTY, self.pos)
+        self.lengths = list(lengths)
+        self.offset = mx.array(self.lengths, mx.int32)
+
+    def held(self) -> list[int]:
+        """Columns in use per row that hold a token (sliding groups: those inside the window)."""
+        pos = self.pos[:, : self.idx]
+        live = pos >= 0
+        if self.window is not None:
+            live = live & (pos > self.offset[:, None] - self.window - DEAD_MARGIN)
+        return live.sum(axis=1).tolist()
+
+    def live_columns(self, rows: mx.array | None = None) -> tuple[mx.array, int]:
+        """`[B', V]` column indices of each row's live tokens in order (empty columns after
+        them), and V; `rows` picks rows (default: all)."""
+        pos = self.pos[:, : self.idx] if rows is None else self.pos[rows, : self.idx]
+        offset = self.offset if rows is None else self.offset[rows]
+        live = pos >= 0
+        if self.window is not None:
+            live = live & (pos > offset[:, None] - self.window - DEAD_MARGIN)
+        width = int(live.sum(axis=1).max().item()) if pos.shape[0] else 0
+        cols = mx.arange(self.idx)[None]
+        order = mx.argsort(mx.where(live, cols, cols + self.idx), axis=1)[:, :width]
+        return order, width
+
+
+class BatchLayerCache:
+    """One attention layer's keys and values for the batch (mlx-lm's cache protocol)."""
+
+    def __init__(self, positions: _Positions):
+        self.positions = positions
+        self.keys: mx.array | None = None  # [B, heads, capacity, head_dim]
+        self.values: mx.array | None = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self.positions.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        p = self.positions
+        start, n = p.idx, keys.shape[2]
+        if self.keys is None or start + n > self.keys.shape[2]:
+            self._grow(keys, values, start + n)
+        self.keys[:, :, start : start + n] = keys
+        self.values[:, :, start : start + n] = values
+        return self.keys[:, :, : start + n], self.values[:, :, : start + n]
+
+    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        capacity = ((needed + STEP - 1) // STEP) * STEP
+        b, h, _, dk = keys.shape
+
+        def grown(old, d, dtype):
+            new = mx.zeros((b, h, capacity, d), dtype)
+            if old is not None:
+                new[:, :, : self.positions.idx] = old[:, :, : self.positions.idx]
+            return new
+
+        self.keys = grown(self.keys, dk, keys.dtype)
+        self.values = grown(self.values, values.shape[3], values.dtype)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return self.positions.mask(n, window_size)
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+
+class BatchCache:
+    """The caches of every layer of one model for a batch of rows.
+
+    Args:
+        model: an mlx-lm model whose prompt cache is made of `KVCache`s and `RotatingKVCache`s
+            (see `batchable`).
+        batch: rows (all empty).
+    """
+
+    def __init__(self, model: nn.Module, batch: int = 1):
+        self.groups: dict[int | None, _Positions] = {}
+        self.layers: list[BatchLayerCache] = []
+        for cache in make_prompt_cache(model):
+            window = _window_of(cache)
+            if window not in self.groups:
+                self.groups[window] = _Positions(batch, window)
+            self.layers.append(BatchLayerCache(self.groups[window]))
+
+    # --- what the model sees -------------------------------------------------------------------
+
+    @property
+    def batch(self) -> int:
+        return self._any.batch
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held per row."""
+        return list(self._any.lengths)
+
+    @property
+    def _any(self) -> _Positions:
+        return next(iter(self.groups.values()))
+
+    def begin(self, lengths: Sequence[int]) -> None:
+        """Before a forward pass over `[B, max(lengths)]` tokens (row i's first `lengths[i]`
+        real, the rest pads)."""
+        for group in self.groups.values():
+            group.begin(lengths)
+
+    def end(self, lengths: Sequence[int]) -> None:
+        """After that pass."""
+        for group in self.groups.values():
+            group.end(lengths)
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Row i keeps its first `lengths[i]` tokens."""
+        for group in self.groups.values():
+            group.truncate(lengths)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.state] + [
+            g.pos for g in self.groups.values()
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers) + sum(
+            g.pos.nbytes for g in self.groups.values()
+        )
+
+    # --- rows joining and leaving ---------------------------------------------------------------
+
+    def filter(self, rows: Sequence[int]) -> None:
+        """Keep only `rows` (in that order)."""
+        index = mx.array(list(rows), mx.int32)
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+        for group in self.groups.values():
+            group.pos, group.offset = group.pos[index], group.offset[index]
+            group.lengths = [group.lengths[r] for r in rows]
+
+    def extend(self, other: BatchCache) -> None:
+        """Append `other`'s rows (a cache of the same model) after this one's."""
+        for window, group in self.groups.items():
+            mine, theirs = group, other.groups[window]
+            width = max(mine.idx, theirs.idx)
+            layers = [(a, b) for a, b in zip(self.layers, other.layers, strict=True)]
+            layers = [(a, b) for a, b in layers if a.positions is mine]
+            for a, b in layers:
+                a.keys, a.values = _stack_rows(a, b, mine, theirs, width)
+            pads = [_left_pad(g.pos, g.idx, width, EMPTY) for g in (mine, theirs)]
+            mine.pos = mx.concatenate(pads)
+            mine.lengths = mine.lengths + theirs.lengths
+            mine.offset = mx.array(mine.lengths, mx.int32)
+            mine.idx = width
+
+    def extract(self, row: int, model: nn.Module) -> BatchCache:
+        """Row `row` as a one-row cache holding only its tokens (no empty columns)."""
+        out = BatchCache(model, 1)
+        rows = mx.array([row], mx.int32)
+        for window, group in self.groups.items():
+            mine = out.groups[window]
+            order, width = group.live_columns(rows)  # [1, V]
+            for a, b in zip(self.layers, out.layers, strict=True):
+                if a.positions is group and a.keys is not None:
+                    b.keys = _gather(a.keys[rows], order)
+                    b.values = _gather(a.values[rows], order)
+            mine.pos = mx.take_along_axis(group.pos[rows, : group.idx], order, axis=1)
+            mine.idx = width
+            mine.lengths = [group.lengths[row]]
+            mine.offset = mx.array(mine.lengths, mx.int32)
+        return out
+
+    def compact(self) -> None:
+        """Squeeze the empty columns out (each row's tokens moved to the front, in order)."""
+        for group in self.groups.values():
+            order, width = group.live_columns()
+            for layer in self.layers:
+                if layer.positions is group and layer.keys is not None:
+                    layer.keys = _gather(layer.keys, order)
+                    layer.values = _gather(layer.values, order)
+            group.pos = mx.take_along_axis(group.pos[:, : group.idx], order, axis=1)
+            group.idx = width
+
+    def waste(self) -> float:
+        """Share of the columns in use that hold nothing any row still needs."""
+        worst = 0.0
+        for group in self.groups.values():
+            if group.idx:
+                worst = max(worst, 1 - max(group.held(), default=0) / group.idx)
+        return worst
+
+    def can_truncate(self, length: int) -> bool:
+        """Whether a one-row cache still holds what a cut back to `length` tokens needs (a
+        sliding window's tokens before the cut, which a compaction may have dropped)."""
+        for group in self.groups.values():
+            if group.window is None or length <= 0:
+                continue
+            pos = group.pos[0, : group.idx]
+            first = int(mx.where(pos >= 0, pos, 1 << 30).min().item()) if group.idx else 0
+            if first > max(0, length - group.window):
+                return False
+        return True
+
+
+def _window_of(cache) -> int | None:
+    if type(cache) is KVCache:
+        return None
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        return cache.max_size
+    raise TypeError(f"{type(cache).__name__} cannot be batched")
+
+
+def batchable(model: nn.Module) -> bool:
+    """Whether the model's layers all use caches `BatchCache` can stand in for (attention with
+    full or sliding-window caches; not recurrent state)."""
+    try:
+        for cache in make_prompt_cache(model):
+            _window_of(cache)
+    except TypeError:
+        return False
+    return True
+
+
+def _left_pad(a: mx.array, used: int, width: int, fill) -> mx.array:
+    """The first `used` columns of `[B, C]` `a`, with `width - used` columns of `fill` before."""
+    a = a[:, :used]
+    if width == used:
+        return a
+    return mx.concatenate([mx.full((a.shape[0], width - used), fill, a.dtype), a], axis=1)
+
+
+def _stack_rows(a: BatchLayerCache, b: BatchLayerCache, pa: _Positions, pb: _Positions, width):
+    """Keys and values of two layers' rows stacked, each left-padded to `width` columns."""
+    ref = a if a.keys is not None else b
+    if ref.keys is None:
+        return None, None
+    out = []
+    for name in ("keys", "values"):
+        parts = []
+        for layer, group in ((a, pa), (b, pb)):
+            x = getattr(layer, name)
+            shape = getattr(ref, name).shape
+            if x is None:
+                x = mx.zeros((group.batch, shape[1], 0, shape[3]), getattr(ref, name).dtype)
+            x = x[:, :, : group.idx]
+            if width > group.idx:
+                pad = mx.zeros((x.shape[0], x.shape[1], width - group.idx, x.shape[3]), x.dtype)
+                x = mx.concatenate([pad, x], axis=2)
+            parts.append(x)
+        out.append(mx.concatenate(parts))
+    return out[0], out[1]
+
+
+def _gather(x: mx.array, order: mx.array) -> mx.array:
+    """`[B, H, C, D]` columns picked per row by `[B, V]` `order` -> `[B, H, V, D]`."""
+    return mx.take_along_axis(x, order[:, None, :, None], axis=2)

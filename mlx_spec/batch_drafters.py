@@ -1,0 +1,319 @@
+"""Drafters for a batch of rows: n-gram lookup per row, a draft model and an MTP head batched.
+
+Each drafter keeps the rows that draft with it, in the engine's order. A step asks every such
+row for k_i drafts (0: not this step); model drafters run one pass per draft position over all
+their rows (the first pass feeds what each row has not fed yet, right-padded; rows not drafting
+feed nothing), and after verification each row's cache is cut back by its own amount.
+
+A finished row's drafter cache can wait in the prompt cache (`leave` returns it) and continue
+the next turn of its conversation (`join` takes it back with the shared prefix length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_spec.batch_cache import BatchCache
+from mlx_spec.batch_sampling import RowRandom, batch_probs, draw, gumbel
+from mlx_spec.drafters.ngram import find_continuation
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+@dataclass
+class RowDraft:
+    """One row's drafts: `[k]` ids and the `[k, V]` distributions they were drawn from (None:
+    one-hot)."""
+
+    tokens: mx.array
+    probs: mx.array | None = None
+
+
+class BatchDrafter:
+    """Base: a drafter over the rows that use it (row ids, in the engine's order)."""
+
+    name = "drafter"
+    needs_hidden = False
+
+    def __init__(self):
+        self.rows: list[int] = []
+
+    def available(self, row: int, k: int) -> int | None:
+        """Drafts the row can have now, where the drafter can tell without drafting."""
+        return None
+
+    def reset(self) -> None:
+        """Forget every row (after a failed step)."""
+        self.__init__(*self._args)
+
+    def join(self, row: int, sequence: list[int], hidden, state, common: int) -> None:
+        """Add a row whose target cache holds `sequence[:-1]`.
+
+        Args:
+            row: the row's id (appended after the drafter's other rows).
+            sequence: every token of the row; the last is not in the target's cache yet.
+            hidden: `needs_hidden` drafters: the target's `[len(sequence) - 1, T]` hidden
+                states of every token but the last.
+            state: what `leave` returned for an earlier sequence, or None.
+            common: how many first tokens `sequence` shares with that earlier sequence.
+        """
+        raise NotImplementedError
+
+    def leave(self, row: int):
+        """Remove a row; returns its state for a later `join` (None if there is none)."""
+        raise NotImplementedError
+
+    def draft(
+        self,
+        ks: dict[int, int],
+        configs: dict[int, SamplingConfig],
+        randoms: dict[int, RowRandom | None],
+    ) -> dict[int, RowDraft]:
+        """{row: RowDraft} for the rows asked for k > 0 drafts (a row may get fewer)."""
+        raise NotImplementedError
+
+    def accept(self, row: int, drafted: int, accepted: int, emitted: list[int], hidden) -> None:
+        """The row drafted `drafted` tokens this step (0: none), the first `accepted` were kept
+        and `emitted` joined the sequence; `hidden` (`needs_hidden`): the target's
+        `[len(emitted), T]` hidden states at the positions that produced them."""
+        raise NotImplementedError
+
+
+class BatchNgram(BatchDrafter):
+    """Prompt lookup, row by row (no model)."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__()
+        self._args = (max_ngram, min_ngram)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._history: dict[int, list[int]] = {}
+        # The last lookup per row and the k it was asked for, until the sequence grows.
+        self._found: dict[int, tuple[np.ndarray, int]] = {}
+
+    def _lookup(self, row: int, k: int) -> np.ndarray:
+        found, asked = self._found.get(row, (None, 0))
+        if found is None or (k > asked and found.size == asked):
+            history = np.asarray(self._history[row], dtype=np.int64)
+            found = find_continuation(history, k, self.max_ngram, self.min_ngram)
+            self._found[row] = (found, k)
+        return found[:k]
+
+    def available(self, row: int, k: int) -> int | None:
+        return int(self._lookup(row, k).size)
+
+    def join(self, row, sequence, hidden, state, common) -> None:
+        self.rows.append(row)
+        self._history[row] = list(sequence)
+        self._found.pop(row, None)
+
+    def leave(self, row: int):
+        self.rows.remove(row)
+        self._found.pop(row, None)
+        self._history.pop(row)
+
+    def draft(self, ks, configs, randoms) -> dict[int, RowDraft]:
+        out = {}
+        for row, k in ks.items():
+            found = self._lookup(row, k)
+            if found.size:
+                out[row] = RowDraft(mx.array(found, mx.uint32))
+        return out
+
+    def accept(self, row, drafted, accepted, emitted, hidden) -> None:
+        self._history[row] += list(emitted)
+        self._found.pop(row, None)
+
+
+class _ModelDrafter(BatchDrafter):
+    """A model over a `BatchCache` of its rows; per row the tokens emitted but not yet fed
+    (the next draft feeds them, the last one included)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self._args = (model,)
+        self.model = model
+        self.cache: BatchCache | None = None
+        self._pending: dict[int, list[int]] = {}
+        self._hidden: dict[int, list[mx.array]] = {}  # MTP: hidden rows of the pending pairs
+        self._fed: dict[int, tuple[int, int]] = {}  # row -> (cache length, pending) at drafting
+
+    def available(self, row: int, k: int) -> int | None:
+        return None if self._pending[row] else 0
+
+    def _add(self, row: int, cache: BatchCache) -> None:
+        self.rows.append(row)
+        if self.cache is None:
+            self.cache = cache
+        else:
+            self.cache.extend(cache)
+
+    def leave(self, row: int) -> BatchCache:
+        """The row's cache, compact."""
+        i = self.rows.index(row)
+        one = self.cache.extract(i, self.model)
+        rest = [j for j in range(len(self.rows)) if j != i]
+        self.rows.pop(i)
+        self.cache = None if not self.rows else self.cache
+        if self.cache is not None:
+            self.cache.filter(rest)
+        self._pending.pop(row)
+        self._hidden.pop(row, None)
+        self._fed.pop(row, None)
+        return one
+
+    def _reuse(self, state: BatchCache | None, keep: int) -> tuple[BatchCache, int]:
+        """`state` cut back to `keep` tokens where it can be, else a new empty cache."""
+        if state is not None and keep > 0 and state.can_truncate(keep):
+            state.truncate([min(keep, state.lengths[0])])
+            return state, state.lengths[0]
+        return BatchCache(self.model, 1), 0
+
+    def _pass(self, x: mx.array, lengths: list[int], hidden: mx.array | None) -> mx.array:
+        """One pass over the drafter's rows: `[B, S]` ids (row i's first `lengths[i]` real)."""
+        self.cache.begin(lengths)
+        if hidden is None:
+            logits = self.model(x, cache=self.cache.layers)
+        else:
+            logits = self.model(x, cache=self.cache.layers, hidden=hidden)
+        self.cache.end(lengths)
+        return logits
+
+    def draft(self, ks, configs, randoms) -> dict[int, RowDraft]:
+        want = [ks.get(row, 0) if self._pending[row] else 0 for row in self.rows]
+        if not any(want):
+            return {}
+        first = [self._pending[row] if k else [] for row, k in zip(self.rows, want, strict=True)]
+        lengths = [len(t) for t in first]
+        width = max(lengths)
+        x = mx.array([t + [0] * (width - len(t)) for t in first], mx.uint32)
+        hidden = self._first_hidden(want, lengths) if self.needs_hidden else None
+        self._fed = {
+            row: (self.cache.lengths[i], lengths[i]) for i, row in enumerate(self.rows) if want[i]
+        }
+        configs = [configs.get(row, SamplingConfig()) for row in self.rows]
+        randoms = [randoms.get(row) for row in self.rows]
+        at = mx.array([max(n - 1, 0) for n in lengths])
+        tokens, probs = [], []
+        for step in range(max(want)):
+            logits = self._pass(x, lengths, hidden)
+            last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0]  # [B, V]
+            p = batch_probs(last, configs)
+            token = draw(p, gumbel(randoms, (p.shape[-1],)))  # [B]
+            tokens.append(token)
+            probs.append(p)
+            lengths = [1 if k > step + 1 else 0 for k in want]
+            if self.needs_hidden:  # the module's own output at the drawing position
+                hidden = mx.take_along_axis(self.model.feedback, at[:, None, None], axis=1)
+            x, at = token[:, None], mx.zeros_like(at)
+        return self._row_drafts(mx.stack(tokens, axis=1), mx.stack(probs, axis=1), want, configs)
+
+    def _row_drafts(self, tokens, probs, want, configs) -> dict[int, RowDraft]:
+        """`[B, steps]` ids and `[B, steps, V]` distributions, cut per row."""
+        out = {}
+        for i, row in enumerate(self.rows):
+            if want[i]:
+                dist = None if configs[i].greedy else probs[i, : want[i]]
+                out[row] = RowDraft(tokens[i, : want[i]], dist)
+        return out
+
+    def _cut(self, row: int, length: int) -> None:
+        lengths = self.cache.lengths
+        lengths[self.rows.index(row)] = length
+        self.cache.truncate(lengths)
+
+    def accept(self, row, drafted, accepted, emitted, hidden) -> None:
+        if drafted and row in self._fed:
+            self._settle(row, drafted, accepted, list(emitted), hidden)
+            return
+        self._pending[row] = self._pending[row] + list(emitted)
+        if self.needs_hidden:
+            self._hidden.setdefault(row, []).append(hidden)
+
+
+class BatchDraftModel(_ModelDrafter):
+    """A small model with the target's tokenizer, batched over its rows.
+
+    Its cache holds each row's sequence but the pending tokens. Drafting k feeds the pending
+    tokens, then k - 1 drafts; afterwards the cache keeps the pending tokens and the accepted
+    drafts (after a full acceptance the last draft was never fed and stays pending with the
+    bonus token).
+    """
+
+    name = "draft-model"
+
+    def join(self, row, sequence, hidden, state, common) -> None:
+        cache, fed = self._reuse(state, min(common, len(sequence) - 1))
+        _prefill(self.model, cache, sequence[fed:-1])
+        self._pending[row] = [sequence[-1]]
+        self._add(row, cache)
+
+    def _settle(self, row, drafted, accepted, emitted, hidden) -> None:
+        length, pending = self._fed.pop(row)
+        fed = pending + drafted - 1  # the pending tokens and every draft but the last
+        keep = fed if accepted == drafted else pending + accepted
+        self._cut(row, length + keep)
+        self._pending[row] = emitted[keep - pending :]
+
+
+class BatchMTP(_ModelDrafter):
+    """An MTP head batched over its rows.
+
+    Its cache holds the pairs (h_p, t_{p+1}) of each row's sequence but the pending ones;
+    drafting feeds the pending pairs, then its own output back (recursive reuse); afterwards
+    the self-fed steps are dropped and the round's verified pairs become pending.
+    """
+
+    name = "mtp"
+    needs_hidden = True
+
+    def join(self, row, sequence, hidden, state, common) -> None:
+        """Pairs of positions 0 .. len - 3 go into the cache; the last one stays pending."""
+        pairs = len(sequence) - 1  # positions with a hidden state and a next token
+        cache, fed = self._reuse(state, min(common - 1, pairs - 1))
+        nexts = sequence[fed + 1 :]  # the token after each position fed .. len - 2
+        _prefill(self.model, cache, nexts[:-1], hidden[fed : pairs - 1])
+        self._pending[row] = nexts[-1:]
+        self._hidden[row] = [hidden[pairs - 1 : pairs]] if pairs else []
+        self._size = hidden.shape[-1]
+        self._add(row, cache)
+
+    def _first_hidden(self, want: list[int], lengths: list[int]) -> mx.array:
+        """`[B, S, T]` hidden rows of the pending pairs fed by the first pass (zeros as pads)."""
+        width = max(lengths)
+        size = self._size
+        rows = []
+        for row, n in zip(self.rows, lengths, strict=True):
+            parts = self._hidden.get(row, []) if n else []
+            h = mx.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
+            if h is not None:
+                self._hidden[row] = [h]
+            h = mx.zeros((0, size)) if h is None else h
+            if width > n:
+                h = mx.concatenate([h, mx.zeros((width - n, size), h.dtype)])
+            rows.append(h)
+        return mx.stack(rows)
+
+    def _settle(self, row, drafted, accepted, emitted, hidden) -> None:
+        length, pending = self._fed.pop(row)
+        self._cut(row, length + pending)  # the true pairs fed; every self-fed step dropped
+        self._pending[row] = emitted
+        self._hidden[row] = [hidden]
+
+
+def _prefill(model: nn.Module, cache: BatchCache, tokens: list[int], hidden=None, step=2048):
+    """Feed a one-row cache `tokens` (with their `[len, T]` hidden rows for MTP heads)."""
+    for start in range(0, len(tokens), step):
+        chunk = tokens[start : start + step]
+        cache.begin([len(chunk)])
+        x = mx.array([chunk], mx.uint32)
+        if hidden is None:
+            model(x, cache=cache.layers)
+        else:
+            model(x, cache=cache.layers, hidden=hidden[None, start : start + step])
+        cache.end([len(chunk)])
+        mx.eval(cache.state)

@@ -1,0 +1,427 @@
+"""Continuous batching with speculation: many requests, one target pass per step.
+
+`BatchEngine` owns the rows (one per request: its tokens, sampling settings, random stream,
+output cutter and stats) and their caches: one `BatchCache` for the target over every active
+row, and one per model drafter over the rows that draft with it. `step()` does one unit of
+work: a chunk of the prompt of a request that is joining (prefilled alone, then merged into
+the batch) and one decoding step of the batch:
+
+1. the policy chooses K (and each row's drafter and k);
+2. the drafters draft (model drafters batched over their rows, n-gram lookup per row);
+3. one target pass over `[last] + drafts` of every row, right-padded to K + 1;
+4. each row is verified (exact match when greedy, rejection sampling otherwise) and its caches
+   roll back by its own amount; its tokens go through its `OutputCutter` (EOS, stop strings,
+   max_tokens) to its `emit` callback.
+
+Requests join and leave between steps. A finished row's caches go to the `RowCache` (a prompt
+cache) so that a later request sharing its prefix (a conversation's next turn) prefills only
+what is new. Everything runs on the caller's thread (the server's engine thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from mlx_spec.api import OutputCutter
+from mlx_spec.batch_cache import BatchCache
+from mlx_spec.batch_drafters import BatchDrafter, RowDraft
+from mlx_spec.batch_policy import BatchDraftPolicy, RowAsk
+from mlx_spec.batch_sampling import (
+    RowRandom,
+    batch_probs,
+    batch_verify,
+    greedy_batch_verify,
+    gumbel,
+    uniform,
+)
+from mlx_spec.decode import Round
+from mlx_spec.hidden import tap_hidden
+from mlx_spec.runner import context_limit
+from mlx_spec.sampling import SamplingConfig
+from mlx_spec.stats import SpecStats
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ALL = "all"
+
+
+@dataclass
+class BatchRequest:
+    """One generation asked of the engine.
+
+    Attributes:
+        prompt: token ids (at least one).
+        sampling: temperature, top-k, top-p, min-p.
+        max_tokens: tokens generated at most.
+        emit: called on the engine's thread with each `GenerationChunk` (the last has
+            `token=None`, the finish reason and the stats), or with an exception if the
+            generation failed.
+        stop: strings that end the output.
+        drafter: a drafter of the engine, "all" (any of them, chosen each step) or None.
+        num_draft: "auto" (the batch's K) or a fixed k (0: plain decoding).
+        seed: the row's own random stream (None: an unseeded one).
+    """
+
+    prompt: list[int]
+    sampling: SamplingConfig
+    max_tokens: int
+    emit: Callable[[object], None]
+    stop: Sequence[str] = ()
+    drafter: str | None = None
+    num_draft: int | str = "auto"
+    seed: int | None = None
+
+
+@dataclass
+class _Row:
+    id: int
+    request: BatchRequest
+    tokens: list[int]  # the sequence; the target's cache holds all but the last
+    cutter: OutputCutter
+    stats: SpecStats
+    arms: list[int]  # indices of the drafters it may use
+    random: RowRandom | None
+    needs_hidden: bool = False  # one of its drafters reads the target's hidden states
+    prefill: BatchCache | None = None  # while joining: its own cache, being prefilled
+    fed: int = 0  # prompt tokens in `prefill` so far
+    cached: int = 0  # prompt tokens that came from the prompt cache
+    states: dict = field(default_factory=dict)  # drafter states from the prompt cache
+    common: int = 0  # tokens shared with those states' sequence
+    hidden: list = field(default_factory=list)  # target hidden states (MTP rows), in order
+    produced: int = 0
+    done: bool = False
+    cancelled: bool = False
+    tic: float = 0.0
+
+
+class BatchEngine:
+    """Continuous batching over a target and its drafters.
+
+    Args:
+        model, tokenizer: the target (mlx-lm model; its caches must be `batchable`).
+        vocab_size: tokens that may be generated (the tokenizer's).
+        drafters: {name: BatchDrafter}.
+        max_batch: rows decoded together; more requests wait.
+        max_draft: the longest draft K the policy considers.
+        prefill_step: prompt tokens prefilled per step of the batch.
+        row_cache: a `RowCache` for finished rows (None: no reuse).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        vocab_size: int,
+        drafters: dict[str, BatchDrafter],
+        *,
+        max_batch: int = 8,
+        max_draft: int = 8,
+        prefill_step: int = 256,
+        row_cache=None,
+    ):
+        self.model, self.tokenizer, self.vocab = model, tokenizer, vocab_size
+        self.drafters = drafters
+        self.names = list(drafters)
+        self.max_batch, self.max_draft, self.prefill_step = max_batch, max_draft, prefill_step
+        self.context = context_limit(model)
+        self.row_cache = row_cache
+        self.needs_hidden = any(d.needs_hidden for d in drafters.values())
+        self._tap = tap_hidden(model) if self.needs_hidden else None
+        model_arms = [n for n, d in drafters.items() if hasattr(d, "cache")]
+        self.policy = BatchDraftPolicy(self.names, model_arms, max_draft)
+        self.cache: BatchCache | None = None  # the target's, over `active`
+        self.active: list[_Row] = []
+        self.waiting: list[_Row] = []
+        self._next_id = 0
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def add(self, request: BatchRequest) -> _Row:
+        """Queue a request; returns its row (pass it to `cancel`)."""
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        arms = self._arms(request)
+        name = "none" if not arms else (request.drafter or "none")
+        stats = SpecStats(drafter=name, num_draft=request.num_draft if arms else 0)
+        stats.prompt_tokens = len(request.prompt)
+        greedy = request.sampling.greedy
+        row = _Row(
+            self._next_id,
+            request,
+            list(request.prompt),
+            OutputCutter(self.tokenizer, stats, request.stop, request.max_tokens),
+            stats,
+            arms,
+            None if greedy else RowRandom(request.seed),
+        )
+        row.needs_hidden = any(self.drafters[self.names[a]].needs_hidden for a in arms)
+        self._next_id += 1
+        self.waiting.append(row)
+        return row
+
+    def _arms(self, request: BatchRequest) -> list[int]:
+        if request.drafter is None or request.num_draft == 0:
+            return []
+        if request.drafter == ALL:
+            return list(range(len(self.names)))
+        if request.drafter not in self.drafters:
+            raise ValueError(f"unknown drafter {request.drafter!r}")
+        return [self.names.index(request.drafter)]
+
+    def cancel(self, row: _Row) -> None:
+        """Stop a row at the next step (its caches are dropped)."""
+        row.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """A prefill chunk of the next joining request, then a decoding step of the batch."""
+        self._drop_cancelled()
+        if self.waiting and len(self.active) < self.max_batch:
+            self._prefill_chunk(self.waiting[0])
+        if self.active:
+            try:
+                self._decode()
+            except Exception as exc:  # the batch's state is unknown: every active row fails
+                for row in self.active:
+                    row.request.emit(exc)
+                self.active, self.cache = [], None
+                for drafter in self.drafters.values():
+                    drafter.reset()
+                raise
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(row)
+        for row in [r for r in self.active if r.cancelled]:
+            self._remove(row, keep_cache=False)
+
+    # --- joining -------------------------------------------------------------------------------
+
+    def _prefill_chunk(self, row: _Row) -> None:
+        """Prefill the next chunk of a joining row; when done, merge it into the batch."""
+        try:
+            if row.prefill is None:
+                self._start_prefill(row)
+            ids = row.tokens
+            end = min(len(ids) - 1, row.fed + self.prefill_step)
+            if end > row.fed:
+                chunk = ids[row.fed : end]
+                row.prefill.begin([len(chunk)])
+                self.model(mx.array([chunk], mx.uint32), cache=row.prefill.layers)
+                row.prefill.end([len(chunk)])
+                if row.needs_hidden:
+                    row.hidden.append(self._tap.hidden[0])
+                mx.eval(row.prefill.state, row.hidden[-1:])
+                row.fed = end
+            if row.fed >= len(ids) - 1:
+                self._join(row)
+        except Exception as exc:  # this request alone fails
+            if row in self.waiting:
+                self.waiting.remove(row)
+            for drafter in self.drafters.values():
+                if row.id in drafter.rows:
+                    drafter.leave(row.id)
+            row.request.emit(exc)
+
+    def _start_prefill(self, row: _Row) -> None:
+        row.tic = time.perf_counter()
+        ids = row.tokens
+        if self.context is not None and len(ids) >= self.context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.context}")
+        entry = None if self.row_cache is None else self.row_cache.take(ids)
+        if entry is None:
+            row.prefill, row.fed = BatchCache(self.model, 1), 0
+            return
+        row.prefill, row.fed = entry.cache, entry.reuse
+        row.cached, row.states, row.common = entry.reuse, entry.states, entry.common
+        if row.needs_hidden:
+            if entry.hidden is None or entry.hidden.shape[0] < entry.reuse:
+                row.prefill, row.fed, row.cached = entry.cache, 0, 0  # no hidden states kept
+                row.prefill.truncate([0])
+            else:
+                row.hidden = [entry.hidden[: entry.reuse]]
+
+    def _join(self, row: _Row) -> None:
+        """The row's prompt is in its cache: its drafters join, its cache joins the batch."""
+        self.waiting.remove(row)
+        hidden = None
+        if row.needs_hidden and row.hidden:
+            hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
+            row.hidden = [hidden]
+        for arm in row.arms:
+            name = self.names[arm]
+            self.drafters[name].join(
+                row.id, row.tokens, hidden, row.states.pop(name, None), row.common
+            )
+        row.states = {}
+        if self.cache is None:
+            self.cache = row.prefill
+        else:
+            self.cache.extend(row.prefill)
+        row.prefill = None
+        row.stats.cached_tokens = row.cached
+        row.stats.prefill_seconds = time.perf_counter() - row.tic
+        row.tic = time.perf_counter()
+        self.active.append(row)
+
+    # --- decoding --------------------------------------------------------------------------
+
+    def _ask(self, row: _Row) -> RowAsk:
+        request = row.request
+        limit = request.max_tokens - row.produced - 1
+        if self.context is not None:
+            limit = min(limit, self.context - len(row.tokens) - 1)
+        fixed = request.num_draft if isinstance(request.num_draft, int) else None
+        limit = max(0, min(limit, self.max_draft if fixed is None else fixed))
+        available = [self.drafters[self.names[a]].available(row.id, limit) for a in row.arms]
+        return RowAsk(row.arms, fixed, limit, available)
+
+    def _decode(self) -> None:
+        tic = time.perf_counter()
+        rows = list(self.active)
+        choice = self.policy.choose([self._ask(r) for r in rows])
+        drafts = self._draft(rows, choice.rows)
+        k = max((d.tokens.shape[0] for d in drafts.values()), default=0)
+        counts = [0 if r.id not in drafts else drafts[r.id].tokens.shape[0] for r in rows]
+        lengths = [1 + n for n in counts]
+        x = mx.stack([self._inputs(r, drafts.get(r.id), k) for r in rows])  # [B, 1 + K]
+        self.cache.begin(lengths)
+        logits = self.model(x, cache=self.cache.layers)[..., : self.vocab]  # [B, 1 + K, V]
+        self.cache.end(lengths)
+        hidden = self._tap.hidden if self._tap is not None else None
+        accepted, nxt = self._verify(rows, drafts, logits, counts, k)
+        mx.eval(accepted, nxt)
+        accepted, nxt = accepted.tolist(), nxt.tolist()
+        keeps = self._commit(rows, drafts, counts, accepted, nxt, hidden)
+        kept = [min(a, kp - 1) for a, kp in zip(accepted, keeps, strict=True)]
+        outcomes = list(zip(counts, kept, strict=True))
+        self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic)
+        for row in [r for r in rows if r.done]:
+            self._remove(row, keep_cache=True)
+
+    def _draft(self, rows: list[_Row], plan) -> dict[int, RowDraft]:
+        per_drafter: dict[int, dict[int, int]] = {}
+        for row, (arm, k) in zip(rows, plan, strict=True):
+            if arm is not None and k > 0:
+                per_drafter.setdefault(arm, {})[row.id] = k
+        configs = {r.id: r.request.sampling for r in rows}
+        randoms = {r.id: r.random for r in rows}
+        drafts: dict[int, RowDraft] = {}
+        self._arm_of: dict[int, int] = {}
+        for arm, ks in per_drafter.items():
+            got = self.drafters[self.names[arm]].draft(ks, configs, randoms)
+            drafts.update(got)
+            self._arm_of.update({row: arm for row in got})
+        return drafts
+
+    @staticmethod
+    def _inputs(row: _Row, draft: RowDraft | None, k: int) -> mx.array:
+        """`[1 + K]` ids: the row's pending token, its drafts, pads."""
+        parts = [mx.array([row.tokens[-1]], mx.uint32)]
+        n = 0 if draft is None else draft.tokens.shape[0]
+        if n:
+            parts.append(draft.tokens.astype(mx.uint32))
+        if k > n:
+            parts.append(mx.zeros((k - n,), mx.uint32))
+        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _verify(self, rows, drafts, logits, counts, k):
+        num = mx.array(counts, mx.int32)
+        tokens = mx.stack([self._padded(drafts.get(r.id), k) for r in rows])  # [B, K]
+        if all(r.request.sampling.greedy for r in rows):
+            return greedy_batch_verify(logits, tokens, num)
+        vocab = logits.shape[-1]
+        target = batch_probs(logits, [r.request.sampling for r in rows])  # [B, K + 1, V]
+        draft_probs = None
+        if any(d.probs is not None for d in drafts.values()):
+            draft_probs = mx.stack([self._dist(drafts.get(r.id), k, vocab) for r in rows])
+        randoms = [r.random for r in rows]
+        u, noise = uniform(randoms, (k,)), gumbel(randoms, (vocab,))
+        return batch_verify(target, draft_probs, tokens, num, u, noise)
+
+    @staticmethod
+    def _padded(draft: RowDraft | None, k: int) -> mx.array:
+        n = 0 if draft is None else draft.tokens.shape[0]
+        parts = ([draft.tokens.astype(mx.uint32)] if n else []) + (
+            [mx.zeros((k - n,), mx.uint32)] if k > n else []
+        )
+        if not parts:
+            return mx.zeros((0,), mx.uint32)
+        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    @staticmethod
+    def _dist(draft: RowDraft | None, k: int, vocab: int) -> mx.array:
+        """`[K, V]` draft distributions of a row (one-hot where it has none; zeros as pads)."""
+        n = 0 if draft is None else draft.tokens.shape[0]
+        if not n:
+            return mx.zeros((k, vocab))
+        probs = draft.probs
+        if probs is None:
+            probs = (mx.arange(vocab)[None] == draft.tokens[:, None]).astype(mx.float32)
+        probs = probs[:, :vocab]
+        if k > n:
+            probs = mx.concatenate([probs, mx.zeros((k - n, vocab))])
+        return probs
+
+    def _commit(self, rows, drafts, counts, accepted, nxt, hidden) -> list[int]:
+        """Roll the caches back per row, emit the rows' tokens; returns each row's kept count."""
+        lengths = self.cache.lengths
+        keeps = []
+        for i, row in enumerate(rows):
+            n = accepted[i]
+            draft = drafts.get(row.id)
+            emitted = (draft.tokens[:n].tolist() if n else []) + [nxt[i]]
+            rnd = Round(emitted, counts[i], n, 0.0)
+            chunks, finish, keep = row.cutter.round(rnd)
+            keep = len(emitted) if keep is None else keep
+            keeps.append(keep)
+            base = lengths[i] - (1 + counts[i])  # the row's length before this step
+            lengths[i] = base + keep
+            row.stats.observe_round(counts[i], n, len(chunks), 0.0)
+            row.stats.observe_choice(
+                None if not counts[i] else self.names[self._arm_of[row.id]], counts[i]
+            )
+            row.tokens += emitted[:keep]
+            row.produced += len(chunks)
+            rows_hidden = None if hidden is None else hidden[i, :keep]
+            if row.needs_hidden:
+                row.hidden.append(rows_hidden)
+            for arm in row.arms:
+                drafted = counts[i] if self._arm_of.get(row.id) == arm else 0
+                self.drafters[self.names[arm]].accept(
+                    row.id, drafted, min(n, keep - 1), emitted[:keep], rows_hidden
+                )
+            for chunk in chunks:
+                row.request.emit(chunk)
+            if finish is not None or row.produced >= row.request.max_tokens:
+                row.done = True
+                row.stats.decode_seconds = time.perf_counter() - row.tic
+                row.request.emit(row.cutter.final(finish or "length"))
+        self.cache.truncate(lengths)
+        return keeps
+
+    # --- leaving -------------------------------------------------------------------------------
+
+    def _remove(self, row: _Row, keep_cache: bool) -> None:
+        i = self.active.index(row)
+        states = {self.names[a]: self.drafters[self.names[a]].leave(row.id) for a in row.arms}
+        if keep_cache and self.row_cache is not None:
+            one = self.cache.extract(i, self.model)
+            hidden = mx.concatenate(row.hidden) if row.needs_hidden and row.hidden else None
+            self.row_cache.put(row.tokens, one, states, hidden)
+        self.active.pop(i)
+        rest = [j for j in range(len(self.active) + 1) if j != i]
+        if self.active:
+            self.cache.filter(rest)
+        else:
+            self.cache = None
+        if self.cache is not None and self.cache.waste() > 0.5:
+            self.cache.compact()
