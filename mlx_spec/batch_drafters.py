@@ -47,7 +47,7 @@ class BatchDrafter:
 
     def reset(self) -> None:
         """Forget every row (after a failed step)."""
-        self.__init__(*self._args)
+        self.rows = []
 
     def join(self, row: int, sequence: list[int], hidden, state, common: int) -> None:
         """Add a row whose target cache holds `sequence[:-1]`.
@@ -89,7 +89,6 @@ class BatchNgram(BatchDrafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         super().__init__()
-        self._args = (max_ngram, min_ngram)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._history: dict[int, list[int]] = {}
         # The last lookup per row and the k it was asked for, until the sequence grows.
@@ -105,6 +104,11 @@ class BatchNgram(BatchDrafter):
 
     def available(self, row: int, k: int) -> int | None:
         return int(self._lookup(row, k).size)
+
+    def reset(self) -> None:
+        super().reset()
+        self._history.clear()
+        self._found.clear()
 
     def join(self, row, sequence, hidden, state, common) -> None:
         self.rows.append(row)
@@ -135,7 +139,6 @@ class _ModelDrafter(BatchDrafter):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self._args = (model,)
         self.model = model
         self.cache: BatchCache | None = None
         self._pending: dict[int, list[int]] = {}
@@ -144,6 +147,12 @@ class _ModelDrafter(BatchDrafter):
 
     def available(self, row: int, k: int) -> int | None:
         return None if self._pending[row] else 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache = None
+        for state in (self._pending, self._hidden, self._fed):
+            state.clear()
 
     def _add(self, row: int, cache: BatchCache) -> None:
         self.rows.append(row)
@@ -203,7 +212,8 @@ class _ModelDrafter(BatchDrafter):
             logits = self._pass(x, lengths, hidden)
             last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0]  # [B, V]
             p = batch_probs(last, configs)
-            token = draw(p, gumbel(randoms, (p.shape[-1],)))  # [B]
+            drawing = [r if k > step else None for r, k in zip(randoms, want, strict=True)]
+            token = draw(p, gumbel(drawing, (p.shape[-1],)))  # [B]
             tokens.append(token)
             probs.append(p)
             lengths = [1 if k > step + 1 else 0 for k in want]

@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 
 from mlx_spec.sampling import SamplingConfig, logits_to_probs
+from mlx_spec.verify import residual
 
 import mlx.core as mx
 
@@ -123,11 +124,8 @@ def batch_verify(
     p_next = mx.take_along_axis(target_probs, at, axis=1)[:, 0]  # [B, V]
     if k:
         q_next = mx.take_along_axis(draft_probs, mx.minimum(at, k - 1), axis=1)[:, 0]
-        left = mx.maximum(p_next - q_next, 0.0)
-        mass = left.sum(axis=-1, keepdims=True)
-        residual = mx.where(mass > 0, left / mx.maximum(mass, 1e-30), p_next)
         rejected = (num_accepted < num_drafted)[:, None]
-        p_next = mx.where(rejected, residual, p_next)
+        p_next = mx.where(rejected, residual(p_next, q_next), p_next)
     return num_accepted, draw(p_next, noise)
 
 

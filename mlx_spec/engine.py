@@ -144,7 +144,7 @@ class BatchEngine:
         if not request.prompt:
             raise ValueError("the prompt is empty")
         arms = self._arms(request)
-        name = "none" if not arms else (request.drafter or "none")
+        name = "+".join(self.names[a] for a in arms) if arms else "none"
         stats = SpecStats(drafter=name, num_draft=request.num_draft if arms else 0)
         stats.prompt_tokens = len(request.prompt)
         greedy = request.sampling.greedy
@@ -182,10 +182,15 @@ class BatchEngine:
     # --- the loop ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """A prefill chunk of the next joining request, then a decoding step of the batch."""
+        """Up to `prefill_step` prompt tokens of joining requests (short prompts join several
+        at a time), then a decoding step of the batch."""
         self._drop_cancelled()
-        if self.waiting and len(self.active) < self.max_batch:
-            self._prefill_chunk(self.waiting[0])
+        budget = self.prefill_step
+        while self.waiting and len(self.active) < self.max_batch and budget > 0:
+            row = self.waiting[0]
+            budget -= max(1, self._prefill_chunk(row, budget))
+            if row in self.waiting:  # its prompt goes on next step
+                break
         if self.active:
             try:
                 self._decode()
@@ -205,13 +210,16 @@ class BatchEngine:
 
     # --- joining -------------------------------------------------------------------------------
 
-    def _prefill_chunk(self, row: _Row) -> None:
-        """Prefill the next chunk of a joining row; when done, merge it into the batch."""
+    def _prefill_chunk(self, row: _Row, budget: int) -> int:
+        """Prefill up to `budget` more prompt tokens of a joining row (returns how many); when
+        its prompt is in, merge it into the batch."""
+        fed = 0
         try:
             if row.prefill is None:
                 self._start_prefill(row)
             ids = row.tokens
-            end = min(len(ids) - 1, row.fed + self.prefill_step)
+            end = min(len(ids) - 1, row.fed + budget)
+            fed = max(0, end - row.fed)
             if end > row.fed:
                 chunk = ids[row.fed : end]
                 row.prefill.begin([len(chunk)])
@@ -230,6 +238,7 @@ class BatchEngine:
                 if row.id in drafter.rows:
                     drafter.leave(row.id)
             row.request.emit(exc)
+        return fed
 
     def _start_prefill(self, row: _Row) -> None:
         row.tic = time.perf_counter()
@@ -344,8 +353,19 @@ class BatchEngine:
         if any(d.probs is not None for d in drafts.values()):
             draft_probs = mx.stack([self._dist(drafts.get(r.id), k, vocab) for r in rows])
         randoms = [r.random for r in rows]
-        u, noise = uniform(randoms, (k,)), gumbel(randoms, (vocab,))
+        # Each row draws as many uniforms as it has drafts: its stream never depends on the
+        # other rows.
+        u = mx.stack([self._uniforms(r.random, n, k) for r, n in zip(rows, counts, strict=True)])
+        noise = gumbel(randoms, (vocab,))
         return batch_verify(target, draft_probs, tokens, num, u, noise)
+
+    @staticmethod
+    def _uniforms(random: RowRandom | None, n: int, k: int) -> mx.array:
+        """`[k]`: n uniforms from the row's stream, then zeros (pads, never tested)."""
+        if random is None or n == 0:
+            return mx.zeros((k,))
+        u = uniform([random], (n,))[0]
+        return mx.concatenate([u, mx.zeros((k - n,))]) if k > n else u
 
     @staticmethod
     def _padded(draft: RowDraft | None, k: int) -> mx.array:

@@ -2,11 +2,11 @@
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both streaming over SSE or not),
 `GET /v1/models` and `GET /health`. FastAPI + uvicorn carry the HTTP; all MLX work happens on
-one engine thread (models and caches are not shared across threads), which keeps up to
-`max_concurrent` generations active and advances them round-robin, one round each (a long
-prompt is prefilled one chunk per turn), while later requests wait first-in first-out. Each
-request has its own caches and drafter, taken from the prompt cache when an earlier request
-left some with a prefix in common (`prompt_cache.py`); the extra field
+one engine thread (`scheduler.py`), which runs up to `max_concurrent` generations at once as
+rows of a continuously batched engine (`engine.py`: one target pass per step for all of them,
+speculation included), or, where the target or drafter cannot be batched, as solo streams
+advanced one round at a time; later requests wait first-in first-out. A request reuses the
+caches an earlier one left with a prefix in common (`prompt_cache.py`); the extra field
 `"speculative": {"enabled", "drafter", "num_draft"}` chooses speculation per request, and
 `usage.speculative` reports it. Tool calls are parsed with mlx-lm's parsers (`tools.py`); the
 Anthropic Messages API is served beside the OpenAI one (`anthropic_api.py`).
@@ -17,16 +17,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 from mlx_spec.api import GenerationChunk, encode_prompt
+from mlx_spec.batch_cache import batchable
+from mlx_spec.batch_drafters import BatchDrafter, BatchDraftModel, BatchMTP, BatchNgram
 from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Drafter
@@ -34,9 +34,12 @@ from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
-from mlx_spec.prompt_cache import PromptCache
+from mlx_spec.engine import ALL, BatchEngine, BatchRequest
+from mlx_spec.prompt_cache import PromptCache, RowCache
 from mlx_spec.runner import context_limit
-from mlx_spec.session import PREFILLING, Session
+from mlx_spec.sampling import SamplingConfig
+from mlx_spec.scheduler import CANCELLED, Engine, Job, QueueFull, ShuttingDown
+from mlx_spec.session import Session
 from mlx_spec.stats import SpecStats
 from mlx_spec.tools import (
     PlainText,
@@ -46,7 +49,6 @@ from mlx_spec.tools import (
     template_messages,
 )
 
-import mlx.core as mx
 import mlx.nn as nn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -237,158 +239,6 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
 
-# ------------------------------------------------------------------------------------ engine
-
-
-@dataclass
-class Job:
-    """One request on the engine: its stream (opened on the engine thread) and the asyncio
-    queue its chunks go to."""
-
-    open_stream: Callable[[], Iterator[GenerationChunk]]
-    loop: asyncio.AbstractEventLoop
-    seed: int | None = None
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: bool = False
-    stream: Iterator[GenerationChunk] | None = None
-    # Called on the engine thread once the stream is closed, with the outcome.
-    release: Callable[[str], None] | None = None
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancelled = True
-
-
-CANCELLED = object()  # put on a job's queue when the engine drops it
-
-
-def _rng_seed() -> int:
-    hi, lo = mx.random.state[0].tolist()
-    return (hi << 32) | lo
-
-
-class Engine:
-    """The one thread that runs the model: round-robin over active jobs, FIFO for the rest.
-
-    Args:
-        max_concurrent: generations advanced together; later ones wait.
-        max_queued: waiting requests at most (more are refused with 429).
-    """
-
-    def __init__(self, max_concurrent: int = 8, max_queued: int = 256):
-        if max_concurrent < 1 or max_queued < 0:
-            raise ValueError("max_concurrent must be >= 1 and max_queued >= 0")
-        self.max_concurrent, self.max_queued = max_concurrent, max_queued
-        self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._active: list[Job] = []
-        self._closed = False
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "peak_active": 0}
-        self._thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self._cond:
-            if self._closed:
-                raise APIError(503, "the server is shutting down", code="shutting_down")
-            if len(self._waiting) >= self.max_queued:
-                raise APIError(429, "too many requests are waiting; retry later", code="queue_full")
-            self._waiting.append(job)
-            self._cond.notify()
-
-    def cancel(self, job: Job) -> None:
-        """Stop a job (its client left): its stream is closed and its caches dropped."""
-        job.cancelled = True
-        with self._cond:
-            self._cond.notify()
-
-    def status(self) -> dict:
-        with self._cond:
-            return {"active": len(self._active), "queued": len(self._waiting), **self.counts}
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._closed or self._active or self._waiting):
-                    self._cond.wait()
-                if self._closed:
-                    break
-                while self._waiting and len(self._active) < self.max_concurrent:
-                    job = self._waiting.popleft()
-                    if job.cancelled:
-                        self.counts["cancelled"] += 1
-                        job.put(CANCELLED)
-                    else:
-                        self._active.append(job)
-                peak = max(self.counts["peak_active"], len(self._active))
-                self.counts["peak_active"] = peak
-                turn = list(self._active)
-            for job in turn:
-                self._step(job)
-        for job in self._active + list(self._waiting):
-            self._finish(job, "cancelled")
-
-    def _step(self, job: Job) -> None:
-        """Advance one job by one chunk (its first step also prefills)."""
-        if job.cancelled:
-            self._finish(job, "cancelled")
-            return
-        try:
-            with self._own_rng(job):
-                if job.stream is None:
-                    job.stream = job.open_stream()
-                chunk = next(job.stream)
-        except Exception as exc:  # reported to the request; the engine goes on
-            job.put(exc)
-            self._finish(job, "failed")
-            return
-        if chunk is PREFILLING:  # a chunk of a long prompt: the other streams go on
-            return
-        job.put(chunk)
-        if chunk.token is None:
-            self._finish(job, "completed")
-
-    def _finish(self, job: Job, outcome: str) -> None:
-        if job.stream is not None:
-            try:
-                job.stream.close()  # settles the rounds
-            except Exception:  # a failure while settling: the caches are not reused
-                outcome = "failed"
-            job.stream = None
-        if job.release is not None:
-            job.release(outcome)
-            job.release = None
-        if outcome == "cancelled":
-            job.put(CANCELLED)
-        with self._cond:
-            if job in self._active:
-                self._active.remove(job)
-                self.counts[outcome] += 1
-
-    @staticmethod
-    @contextmanager
-    def _own_rng(job: Job):
-        """A seeded job draws from its own random stream, whatever runs in between."""
-        if job.seed is None:
-            yield
-            return
-        shared = _rng_seed()
-        mx.random.seed(job.seed)
-        try:
-            yield
-        finally:
-            job.seed = _rng_seed()
-            mx.random.seed(shared)
-
-
 # --------------------------------------------------------------------------------- the app
 
 
@@ -411,6 +261,8 @@ class ServerConfig:
         prompt_cache_entries: the most finished requests' caches kept.
         prefill_step: prompts are prefilled in chunks of this many tokens, each followed by a
             step of every other active stream.
+        batching: run requests as rows of one continuously batched engine where the target
+            and the drafter allow (else each request is a solo stream, advanced in turn).
     """
 
     model_id: str = "model"
@@ -425,6 +277,7 @@ class ServerConfig:
     prompt_cache_bytes: int = 2 << 30
     prompt_cache_entries: int = 32
     prefill_step: int = 256
+    batching: bool = True
 
 
 class _BodyLimit:
@@ -496,10 +349,11 @@ def create_app(
         The app; run it with uvicorn. Its engine thread stops when the app shuts down.
     """
     config = config or ServerConfig()
-    drafters = {"ngram": _ngram, **(drafters or {})}
+    drafters = {"ngram": DrafterFactory(_ngram, BatchNgram), **(drafters or {})}
     if config.default_drafter is not None and config.default_drafter not in drafters:
         raise ValueError(f"default drafter {config.default_drafter!r} is not offered")
-    engine = Engine(config.max_concurrent, config.max_queued)
+    batch = batch_engine(model, tokenizer, config, drafters)
+    engine = Engine(config.max_concurrent, config.max_queued, batch)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -534,7 +388,9 @@ def create_app(
     @app.get("/health")
     async def health():
         status = {"status": "ok", "model": config.model_id, **engine.status()}
-        return {**status, "prompt_cache": server.prompt_cache.status()}
+        cache = server.prompt_cache if batch is None else batch.row_cache
+        status["batching"] = batch is not None
+        return {**status, "prompt_cache": cache.status()}
 
     @app.get("/v1/models")
     async def models():
@@ -564,6 +420,18 @@ def _ngram() -> Drafter:
     return NgramDrafter()
 
 
+@dataclass
+class DrafterFactory:
+    """Makes a fresh drafter per request (`__call__`), and, where the drafter can run inside
+    the batch engine, its batched form (`batch`)."""
+
+    make: Callable[[], Drafter]
+    batch: Callable[[], BatchDrafter] | None = None
+
+    def __call__(self) -> Drafter:
+        return self.make()
+
+
 def drafter_factories(
     model: nn.Module,
     tokenizer,
@@ -591,22 +459,52 @@ def drafter_factories(
     )
 
     vocab = scored_vocab(model, tokenizer)
-    out: dict[str, Callable[[], Drafter]] = {"ngram": _ngram}
+    out: dict[str, DrafterFactory] = {"ngram": DrafterFactory(_ngram, BatchNgram)}
     if draft_model is not None:
         small, small_tok = load(draft_model)
         DraftModelDrafter(small, small_tok).check_compatible(model, tokenizer, vocab)
-        out["draft-model"] = lambda: DraftModelDrafter(small, small_tok)
+        out["draft-model"] = DrafterFactory(
+            lambda: DraftModelDrafter(small, small_tok), lambda: BatchDraftModel(small)
+        )
     if mtp is not None:
         head = load_mtp_drafter(mtp, model)
-        out["mtp"] = lambda: MTPDrafter(head.module, model)
+        out["mtp"] = DrafterFactory(
+            lambda: MTPDrafter(head.module, model), lambda: BatchMTP(head.module)
+        )
     if assistant is not None:
         loaded = load_gemma4_assistant(assistant, model)
         loaded.check_compatible(model, tokenizer, vocab)
-        out["gemma4-assistant"] = lambda: Gemma4AssistantDrafter(loaded.assistant, model)
+        out["gemma4-assistant"] = DrafterFactory(
+            lambda: Gemma4AssistantDrafter(loaded.assistant, model)
+        )
     if len(out) > 1:  # every drafter at once: the policy picks one each round
         makers = list(out.values())
-        out["all"] = lambda: DrafterGroup([make() for make in makers])
+        out[ALL] = DrafterFactory(lambda: DrafterGroup([make() for make in makers]))
     return out
+
+
+def batch_engine(
+    model: nn.Module, tokenizer, config: ServerConfig, drafters: dict
+) -> BatchEngine | None:
+    """The continuous-batching engine for the target and the drafters that can be batched, or
+    None when the target cannot be (recurrent layers) or batching is off."""
+    if not config.batching or not batchable(model):
+        return None
+    batched = {
+        name: factory.batch()
+        for name, factory in drafters.items()
+        if name != ALL and getattr(factory, "batch", None) is not None
+    }
+    return BatchEngine(
+        model,
+        tokenizer,
+        scored_vocab(model, tokenizer),
+        batched,
+        max_batch=config.max_concurrent,
+        max_draft=config.max_draft,
+        prefill_step=config.prefill_step,
+        row_cache=RowCache(config.prompt_cache_bytes, config.prompt_cache_entries),
+    )
 
 
 @dataclass
@@ -842,8 +740,31 @@ class _Server:
             if taken and outcome != "failed":
                 self.prompt_cache.put(plan.drafter_name, taken[0])
 
-        job = Job(open_stream, asyncio.get_running_loop(), seed=seed, release=release)
-        self.engine.submit(job)
+        loop = asyncio.get_running_loop()
+        if self._batched(plan):
+            sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+
+            def batch_request(emit) -> BatchRequest:  # on the engine thread
+                return BatchRequest(
+                    plan.ids,
+                    sampling,
+                    plan.max_tokens,
+                    emit,
+                    stop=tuple(plan.stops),
+                    drafter=plan.drafter_name,
+                    num_draft=plan.num_draft,
+                    seed=seed,
+                )
+
+            job = Job(None, loop, seed=seed, batch=batch_request)
+        else:
+            job = Job(open_stream, loop, seed=seed, release=release)
+        try:
+            self.engine.submit(job)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full") from None
+        except ShuttingDown as exc:
+            raise APIError(503, str(exc), code="shutting_down") from None
         watcher = asyncio.create_task(self._watch(request, job))
         try:
             first = await self.next_chunk(job)
@@ -852,6 +773,11 @@ class _Server:
             self.engine.cancel(job)
             raise
         return job, first, watcher
+
+    def _batched(self, plan: _Plan) -> bool:
+        """Whether the plan runs as a row of the batch engine (its drafter can be batched)."""
+        batch, name = self.engine.batch, plan.drafter_name
+        return batch is not None and (name is None or name == ALL or name in batch.drafters)
 
     async def _watch(self, request: Request, job: Job) -> None:
         """Cancel the job as soon as its client disconnects."""

@@ -10,7 +10,8 @@ import json
 
 import mlx_spec
 from mlx_spec.chat import fallback_prompt
-from mlx_spec.server import Engine, Job, ServerConfig, create_app, drafter_factories
+from mlx_spec.scheduler import Engine, Job
+from mlx_spec.server import ServerConfig, create_app, drafter_factories
 from mlx_spec.session import PREFILLING, Session
 
 import anthropic

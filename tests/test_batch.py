@@ -1,0 +1,340 @@
+"""Continuous batching with speculation: the ragged batch cache against single-stream passes,
+each request's greedy output inside a busy batch against its single-stream output (plain and
+every drafter, a sliding-window target, rows joining and leaving, prompt-cache reuse), the
+three-token distribution of rows sampled inside a batch (with negative controls), seeded rows
+reproducible whatever runs beside them, and the batch policy's choices."""
+
+from __future__ import annotations
+
+import random
+
+import mlx_spec
+import mlx_spec.batch_sampling
+from convert import convert_checkpoint
+from mlx_spec.batch_cache import BatchCache, batchable
+from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
+from mlx_spec.batch_policy import BatchDraftPolicy, RowAsk
+from mlx_spec.compat import scored_vocab
+from mlx_spec.engine import BatchEngine, BatchRequest
+from mlx_spec.prompt_cache import RowCache
+from mlx_spec.sampling import SamplingConfig
+
+import hfmodels as hfm
+import mlx.core as mx
+import pytest
+from chisquare import chisquare_pvalue
+from conftest import with_eos
+from mlx_lm.models.cache import make_prompt_cache
+from test_distribution import CONFIGS, LENGTH, PROMPT, RUNS, exact_distribution, pair  # noqa: F401
+
+ALPHA = 1e-3
+
+
+def single_logits(model, tokens):
+    return model(mx.array(tokens)[None], cache=make_prompt_cache(model))[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_batch_cache_matches_single_stream(loaded, family):
+    """Rows fed ragged chunks, cut back by their own amounts, compacted, taken out and put back:
+    every row's logits equal a fresh single-stream pass over its sequence (gemma3: past its
+    sliding window of 8)."""
+    model = loaded[family][0]
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, 20) for _ in range(n)] for n in (5, 17, 11)]
+    batch = None
+    for s in seqs:
+        one = BatchCache(model, 1)
+        one.begin([len(s) - 1])
+        model(mx.array([s[:-1]]), cache=one.layers)
+        one.end([len(s) - 1])
+        batch = one if batch is None else (batch.extend(one) or batch)
+    for step in range(24):
+        feeds = [rng.randrange(1, 5) for _ in seqs]
+        width = max(feeds)
+        chunks = [
+            [s[-1]] + [rng.randrange(3, 20) for _ in range(f - 1)]
+            for s, f in zip(seqs, feeds, strict=True)
+        ]
+        batch.begin(feeds)
+        logits = model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=batch.layers)
+        batch.end(feeds)
+        for i, (s, c) in enumerate(zip(seqs, chunks, strict=True)):
+            ref = single_logits(model, s[:-1] + c)[-len(c) :]
+            assert mx.allclose(ref, logits[i, : len(c)], atol=1e-4).item(), (step, i)
+            keep = rng.randrange(1, len(c) + 1)
+            s[:] = s[:-1] + c[:keep] + [rng.randrange(3, 20)]
+        batch.truncate([len(s) - 1 for s in seqs])
+        if step % 7 == 3:
+            batch.compact()
+        if step == 12:  # the middle row leaves and comes back last
+            one = batch.extract(1, model)
+            batch.filter([0, 2])
+            batch.extend(one)
+            seqs[:] = [seqs[0], seqs[2], seqs[1]]
+    assert batch.lengths == [len(s) - 1 for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    """A MiMo target with an MTP head, converted (float32)."""
+    root = tmp_path_factory.mktemp("batch-mtp")
+    source, _ = hfm.write_mimo_checkpoint(root / "mimo", seed=6)
+    hfm.add_mtp(source, family="mimo", seed=50)
+    path = convert_checkpoint(str(source), str(root / "mimo-mlx"), dtype="float32").path
+    model, tok = mlx_spec.load(str(path))
+    return model, with_eos(tok), mlx_spec.load_mtp_drafter(str(path), model)
+
+
+def engine_for(model, tok, drafters, **kwargs) -> BatchEngine:
+    return BatchEngine(model, tok, scored_vocab(model, tok), drafters, **kwargs)
+
+
+def run_all(engine: BatchEngine, requests: list[dict]) -> list:
+    """Queue every request, step until done; returns (tokens, final chunk) per request."""
+    outputs = [[] for _ in requests]
+    finals = [None] * len(requests)
+
+    def emitter(i):
+        def emit(item):
+            if isinstance(item, Exception):
+                raise item
+            if item.token is None:
+                finals[i] = item
+            else:
+                outputs[i].append(item.token)
+
+        return emit
+
+    for i, req in enumerate(requests):
+        engine.add(BatchRequest(emit=emitter(i), **req))
+    while engine.busy:
+        engine.step()
+    return list(zip(outputs, finals, strict=True))
+
+
+def busy_requests(vocab: int, drafter, num_draft, n: int = 7) -> list[dict]:
+    """Requests of different prompt and output lengths (more than the batch holds at once)."""
+    rng = random.Random(3)
+    lengths = [(5, 40), (30, 25), (12, 60), (50, 8), (3, 33), (20, 45), (9, 1)][:n]
+    return [
+        dict(
+            prompt=[1] + [rng.randrange(3, vocab) for _ in range(p)],
+            sampling=SamplingConfig(),
+            max_tokens=m,
+            drafter=drafter,
+            num_draft=num_draft,
+        )
+        for p, m in lengths
+    ]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "draft-model", "all"])
+@pytest.mark.parametrize("num_draft", ["auto", 3])
+def test_greedy_rows_equal_single_stream(loaded, family, drafter, num_draft):
+    """Seven requests of different lengths through a batch of four (rows join and leave
+    between steps): each one's tokens equal plain single-stream decoding of its prompt."""
+    model, tok, draft, _ = loaded[family]
+    tok = with_eos(tok)
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=4, prefill_step=16, row_cache=RowCache())
+    requests = busy_requests(scored_vocab(model, tok), drafter, num_draft)
+    results = run_all(engine, requests)
+    for req, (tokens, final) in zip(requests, results, strict=True):
+        assert (
+            tokens
+            == mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
+        )
+        assert final.finish_reason == "length"
+    if drafter is not None:
+        assert sum(final.stats.drafted for _, final in results) > 0
+    assert engine.cache is None and all(not d.rows for d in drafters.values())
+
+
+@pytest.mark.parametrize("num_draft", ["auto", 2])
+def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
+    """The MTP head batched (and grouped with n-gram lookup), rows joining and leaving."""
+    model, tok, head = mtp_target
+    for drafter in ("mtp", "all"):
+        drafters = {"ngram": BatchNgram(), "mtp": BatchMTP(head.module)}
+        engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16)
+        requests = busy_requests(hfm.VOCAB, drafter, num_draft, n=5)
+        for req, (tokens, _) in zip(requests, run_all(engine, requests), strict=True):
+            plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+            assert tokens == plain.tokens, (drafter, req["prompt"])
+
+
+def test_eos_and_stop_inside_a_batch(loaded):
+    """EOS accepted inside a round and a stop string end their rows exactly where the
+    single-stream path ends them; the other rows go on."""
+    model, tok, draft, _ = loaded["llama"]
+    plain = mlx_spec.generate(model, with_eos(tok), [1, 5, 6, 7], max_tokens=30).tokens
+    eos = plain[9]
+    tok_eos = with_eos(tok, [eos])
+    text = mlx_spec.generate(model, with_eos(tok), [1, 5, 6, 7], max_tokens=30).text
+    stop = text[12:14]
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok_eos, drafters, max_batch=4)
+    base = dict(prompt=[1, 5, 6, 7], sampling=SamplingConfig(), max_tokens=30, num_draft=4)
+    requests = [
+        dict(base, drafter="draft-model"),
+        dict(base, drafter="ngram", stop=(stop,)),
+        dict(base, prompt=[1, 8, 9], drafter="draft-model"),
+    ]
+    results = run_all(engine, requests)
+    for req, (tokens, final) in zip(requests, results, strict=True):
+        want = mlx_spec.generate(
+            model, tok_eos, req["prompt"], max_tokens=30, stop=req.get("stop", ())
+        )
+        assert tokens == want.tokens and final.finish_reason == want.finish_reason
+
+
+def test_conversation_reuses_the_row_cache(loaded):
+    """A second turn (first prompt + reply + new text) takes the first turn's caches from the
+    prompt cache, prefills only its new tokens and answers as from scratch."""
+    model, tok, draft, _ = loaded["gemma3"]
+    tok = with_eos(tok)
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, row_cache=RowCache())
+    first = [1, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    base = dict(sampling=SamplingConfig(), max_tokens=20, drafter="draft-model")
+    ((reply, _),) = run_all(engine, [dict(base, prompt=first)])
+    second = first + reply + [13, 14, 15]
+    ((tokens, final),) = run_all(engine, [dict(base, prompt=second)])
+    assert tokens == mlx_spec.generate(model, tok, second, max_tokens=20).tokens
+    assert final.stats.cached_tokens == len(first) + len(reply) - 1
+    assert engine.row_cache.counts["hits"] == 1
+
+
+def test_cancelled_row_leaves_at_once(loaded):
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(model, with_eos(tok), {"draft-model": BatchDraftModel(draft)})
+    seen = []
+    rows = [
+        engine.add(
+            BatchRequest([1, 4, 5], SamplingConfig(), 50, seen.append, drafter="draft-model")
+        )
+        for _ in range(2)
+    ]
+    for _ in range(3):
+        engine.step()
+    engine.cancel(rows[0])
+    engine.step()
+    assert engine.cache.batch == 1 and engine.drafters["draft-model"].rows == [rows[1].id]
+
+
+# ------------------------------------------------------------------------------ distribution
+
+
+def batch_samples(models, config, busy: bool) -> list:
+    """The first three tokens of RUNS rows sampled with k = 2 in batches of 64 (each row its own
+    random stream), some batches shared with rows of other prompts and settings."""
+    model, tok, draft, _ = models
+    engine = engine_for(
+        model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=64, prefill_step=4096
+    )
+    sampling = dict(sampling=config, max_tokens=LENGTH, drafter="draft-model", num_draft=2)
+    requests = [dict(sampling, prompt=PROMPT, seed=seed) for seed in range(RUNS)]
+    if busy:  # a greedy row and a hotter row with another prompt after every fifth
+        others = [
+            dict(prompt=[3, 5], sampling=SamplingConfig(), max_tokens=6, drafter="draft-model"),
+            dict(prompt=[4], sampling=SamplingConfig(temperature=1.3), max_tokens=5, num_draft=0),
+        ]
+        requests = [
+            r for i, req in enumerate(requests) for r in ([req] + (others if i % 5 == 0 else []))
+        ]
+    results = run_all(engine, requests)
+    return [
+        tuple(tokens)
+        for req, (tokens, _) in zip(requests, results, strict=True)
+        if req["prompt"] == PROMPT
+    ]
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["t1-top_k3", "t0.7-top_p0.8"])
+def test_batched_rows_keep_the_distribution(pair, config):  # noqa: F811
+    """Chi-square of 2000 rows sampled inside busy batches against the exact distribution."""
+    samples = batch_samples(pair, config, busy=True)
+    assert len(samples) == RUNS
+    assert chisquare_pvalue(samples, exact_distribution(pair[0], config)) > ALPHA
+
+
+def _recover_from_target(target_probs, draft_probs):
+    return target_probs
+
+
+@pytest.mark.parametrize("control", ["gross", "subtle"])
+def test_batched_negative_controls_fail(pair, monkeypatch, control):  # noqa: F811
+    """The same test rejects a batch verifier that accepts every draft and one that draws the
+    recovered token from the target's distribution instead of the residual."""
+    if control == "gross":
+        original = mlx_spec.batch_sampling.batch_verify
+
+        def always(target_probs, draft_probs, draft_tokens, num_drafted, uniforms, noise):
+            return original(
+                target_probs, draft_probs, draft_tokens, num_drafted, uniforms * 0 - 1e9, noise
+            )
+
+        monkeypatch.setattr("mlx_spec.engine.batch_verify", always)
+    else:
+        monkeypatch.setattr(mlx_spec.batch_sampling, "residual", _recover_from_target)
+    samples = batch_samples(pair, CONFIGS[0], busy=False)
+    assert chisquare_pvalue(samples, exact_distribution(pair[0], CONFIGS[0])) < ALPHA
+
+
+def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair):  # noqa: F811
+    model, tok, draft, _ = pair
+    config = SamplingConfig(temperature=1.0)
+    req = dict(
+        prompt=PROMPT, sampling=config, max_tokens=24, drafter="draft-model", num_draft=2, seed=11
+    )
+
+    def run(extra):
+        engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=8)
+        return run_all(engine, [req] + extra)[0][0]
+
+    others = [
+        dict(req, seed=None, prompt=[3, 4], max_tokens=n, num_draft=n % 3) for n in (5, 30, 12)
+    ]
+    assert run([]) == run(others)
+
+
+# ---------------------------------------------------------------------------------- policy
+
+
+def drive(policy: BatchDraftPolicy, rows: int, accept: float, token_cost: float, steps: int = 300):
+    """Feed the policy synthetic steps: each draft kept with probability `accept`; a step costs
+    1 ms + `token_cost` ms per target token + 0.2 ms per draft pass."""
+    rng = random.Random(0)
+    ks = []
+    for _ in range(steps):
+        asks = [RowAsk([0], None, 8, [None]) for _ in range(rows)]
+        choice = policy.choose(asks)
+        ks.append(choice.num_draft)
+        outcomes = []
+        for _, k in choice.rows:
+            n = 0
+            while n < k and rng.random() < accept:
+                n += 1
+            outcomes.append((k, n))
+        width = 1 + max(k for _, k in choice.rows)
+        seconds = 1e-3 * (1 + token_cost * rows * width + 0.2 * (width - 1))
+        policy.observe(choice.rows, outcomes, seconds)
+    return ks
+
+
+def test_batch_policy_follows_the_cost_of_verification():
+    """Acceptance 0.8: with verification nearly free (memory-bound) the batch drafts several
+    tokens a row; when each verified token costs as much as the step's fixed part
+    (compute-bound, a large batch on a CPU) it decodes plainly, probing now and then."""
+    cheap = drive(BatchDraftPolicy(["draft"], ["draft"]), rows=4, accept=0.8, token_cost=0.01)
+    dear = drive(BatchDraftPolicy(["draft"], ["draft"]), rows=8, accept=0.8, token_cost=1.0)
+    assert sum(k >= 2 for k in cheap[-100:]) >= 90
+    assert sum(k == 0 for k in dear[-100:]) >= 90
+
+
+def test_batchable_families(loaded):
+    """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
+    assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
+    assert not batchable(loaded["qwen3_5"][0])
