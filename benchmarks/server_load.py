@@ -1,12 +1,12 @@
-"""Load test of `mlx-spec serve`: N concurrent streaming clients against a live server.
+"""Load test of `mlx-spec serve` against `mlx_lm.server`: N concurrent streaming clients.
 
-The server (FastAPI app from `mlx_spec.server.create_app`, uvicorn on a loopback port) runs in
-this process, in a background thread; the clients are `httpx` async streams of
-`POST /v1/completions` with `stream_options.include_usage`, so the measurement covers HTTP,
-SSE, the engine's round-robin scheduling and the model. For every speculation mode and every
-N, N clients each send `--requests` requests back to back (different prompts, greedy,
-`--max-tokens` tokens each; EOS is disabled so every request generates exactly that many), and
-the script reports:
+Both servers run as subprocesses on loopback ports, the same model in float32 and the same
+BLAS for both (`LD_PRELOAD` for mlx_lm.server, which would otherwise use MLX's reference BLAS on
+Linux); the clients (`httpx` async streams of `POST /v1/completions` with
+`stream_options.include_usage`) run in this process, so the measurement covers HTTP, SSE, the
+engine's scheduling and the model. For every speculation mode (the request's `speculative`
+field; `none` is plain decoding) and every N, N clients each send `--requests` requests back
+to back (different prompts, greedy, up to `--max-tokens` tokens each), and the script reports:
 
 - throughput: completion tokens of all requests / wall time of the whole run;
 - per-request latency (request sent -> last event) p50 / p95;
@@ -16,14 +16,9 @@ the script reports:
 After the load rows of each mode comes one conversation (`--turns`, default 4): each turn's
 prompt is the previous prompt + its reply + `--turn-tokens` new tokens of held-out text, and
 its time to first token is reported with the prompt tokens the server took from its prompt
-cache. The same rows and conversation are then measured on `mlx_lm.server` (the peer; skip with
-`--no-peer`), started as a subprocess on a float32 copy of the same model with the same BLAS
-preloaded (`LD_PRELOAD`), and each mode's throughput is printed over the peer's at every N.
-
-With one engine thread, concurrent streams share the model in turn (no batching): total
-throughput stays near that of one stream while each stream's latency grows with N. A drafter
-changes both by the factor it gets alone, which is above 1 only when it agrees with the target
-often enough to pay for its own cost.
+cache. The same rows and conversation are then measured on `mlx_lm.server` (skip with
+`--no-peer`), on a float32 copy of the model, and each mode's throughput is printed over the
+peer's at every N.
 
 By default it serves the embedded demo pair (its target and draft model; prompts are the
 openings of the held-out standard-library files). `--random` builds two random llama
@@ -49,19 +44,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
+import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before anything imports mlx)
 from mlx_spec import _blas
 from mlx_spec.bench import machine_info
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
 
 import httpx
 import mlx.core as mx
 import numpy as np
-import uvicorn
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 PROMPTS = ["abcab cab", "mad pop", "a nice deal", "look back", "fog on a hill", "imp"]
@@ -85,30 +78,6 @@ def build_models(root: Path) -> tuple[Path, Path]:
     target = tm.write_checkpoint(root / "target", config, weights)
     draft = tm.write_checkpoint(root / "draft", config, tm.perturb(weights, 0.2, seed=2))
     return target, draft
-
-
-class Server:
-    """uvicorn serving `app` on a free loopback port, in a background thread."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
 
 
 async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
@@ -185,41 +154,40 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
     }  # fmt: skip
 
 
-class PeerServer:
-    """`mlx_lm.server` in a subprocess on a free loopback port, with the BLAS mlx-spec loads
-    preloaded (else MLX's reference BLAS would make it ~90x slower on Linux)."""
+class ServerProcess:
+    """A server in a subprocess on a free loopback port, with the optimized BLAS preloaded
+    (mlx_lm.server would otherwise use MLX's reference BLAS on Linux, ~90x slower; mlx-spec
+    loads it itself). Both servers run the same way, apart from the benchmark's clients."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, name: str, command: list[str]):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1")
         blas = _blas.preload()
         if blas:
-            env["LD_PRELOAD"] = blas
+            self.env["LD_PRELOAD"] = blas
         Path.home().joinpath(".cache", "huggingface", "hub").mkdir(parents=True, exist_ok=True)
-        self.command = [
-            sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port),
-        ]  # fmt: skip
-        self.env, self.process = env, None
+        self.name = name
+        self.command = command + ["--host", "127.0.0.1", "--port", str(self.port)]
+        self.process = None
 
     def __enter__(self) -> str:
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited: {self.process.stderr.read()[-2000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.process.stderr.read()[-2000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError("mlx_lm.server did not start within 180 s")
+        raise RuntimeError(f"{self.name} did not start within 300 s")
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()
@@ -227,6 +195,27 @@ class PeerServer:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+
+def spec_server(args, slots: int) -> ServerProcess:
+    """`mlx-spec serve` with every drafter the benchmark measures."""
+    command = [
+        sys.executable, "-m", "mlx_spec.cli", "serve", "--model", args.model,
+        "--model-id", "bench", "--max-concurrent", str(slots), "--num-draft", str(args.num_draft),
+        "--max-tokens-limit", str(max(args.max_tokens, 16)),
+    ]  # fmt: skip
+    if args.draft_model:
+        command += ["--draft-model", args.draft_model]
+    mtp = args.mtp or (args.model if (Path(args.model) / "mtp").is_dir() else None)
+    if mtp:
+        command += ["--mtp", mtp]
+    return ServerProcess("mlx-spec serve", command)
+
+
+def peer_server(model_dir: Path) -> ServerProcess:
+    return ServerProcess(
+        "mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
+    )
 
 
 def float32_copy(source: Path, dest: Path) -> Path:
@@ -299,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="target MLX directory (default: the embedded demo pair)")
     p.add_argument("--random", action="store_true", help="a random llama pair built here instead")
     p.add_argument("--draft-model", help="draft model for the 'draft-model' mode")
+    p.add_argument("--mtp", help="MTP drafter directory (default: MODEL/mtp when it exists)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
@@ -306,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--modes",
         nargs="+",
-        default=["none", "ngram", "draft-model", "all"],
-        help="speculation modes: none, ngram, draft-model, all (default: all four)",
+        default=["none", "ngram", "draft-model", "mtp", "all"],
+        help="speculation modes: none, ngram, draft-model, mtp, all (default: each)",
     )
     p.add_argument("--max-concurrent", type=int, help="engine slots (default: the largest N)")
     p.add_argument("--turns", type=int, default=4, help="conversation turns (0: none)")
@@ -330,27 +320,19 @@ def main(argv: list[str] | None = None) -> int:
         texts = [p.read_text(errors="replace") for p in stdlib_files()[1]]
         PROMPTS[:] = [text[:200] for text in texts]
     load_before = os.getloadavg()[0]
+    slots = args.max_concurrent or max(args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         if built:
             target_dir, draft_dir = build_models(Path(tmp))
             args.model, args.draft_model = str(target_dir), args.draft_model or str(draft_dir)
-        model, tokenizer = mlx_spec.load(args.model)
+        tokenizer = load_tokenizer(Path(args.model))
         turns = conversation_turns(tokenizer, texts, args.turns, args.turn_tokens)
-        tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
-        drafters = drafter_factories(model, tokenizer, draft_model=args.draft_model)
-        config = ServerConfig(
-            model_id="bench",
-            max_tokens_limit=max(args.max_tokens, 16),
-            max_concurrent=args.max_concurrent or max(args.concurrency),
-            num_draft=num_draft,
-        )
-        app = create_app(model, tokenizer, config, drafters)
         body = {
             "model": "bench", "max_tokens": args.max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
         }  # fmt: skip
         rows = []
-        with Server(app) as url:
+        with spec_server(args, slots) as url:
             for mode in args.modes:
                 speculative = (
                     {"enabled": False} if mode == "none" else {"drafter": mode, "enabled": True}
@@ -358,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += measure(url, mode, {**body, "speculative": speculative}, args, turns)
         if not args.no_peer:
             peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
-            with PeerServer(peer_dir) as url:
+            with peer_server(peer_dir) as url:
                 peer_body = {**body, "model": "default_model"}
                 rows += measure(url, "mlx_lm.server", peer_body, args, turns)
     if not args.no_peer:
@@ -371,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"random llama {json.dumps(SHAPE)}" if built else Path(args.model).name,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,
-        "max_concurrent": config.max_concurrent,
+        "max_concurrent": slots,
         "num_draft": num_draft,
         "results": rows,
     }

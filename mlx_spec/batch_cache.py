@@ -80,7 +80,10 @@ class _Positions:
         window = window or self.window
         if window is not None:
             visible = visible & (pos > query - window)
-        return visible[:, None]
+        # Every query also sees its own column: real tokens do anyway, and a pad of a row
+        # that holds nothing yet is never left with no column at all (a softmax over nothing).
+        own = mx.arange(self.idx + n)[None] == (self.idx + mx.arange(n))[:, None]  # [n, C]
+        return (visible | own)[:, None]
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Keep only the first `lengths[i]` tokens of row i."""

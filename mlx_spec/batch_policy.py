@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_spec.policy import chain_acceptance, count_round, expected_tokens
+from mlx_spec.policy import _ema, _Line, chain_acceptance, count_round, expected_tokens
 
 import numpy as np
 
@@ -43,39 +43,41 @@ class RowAsk:
 
 
 class _Costs:
-    """Step seconds as a linear function of the step's features, fitted by ridge regression on
-    decayed sums; the prior weights stand in before the steps teach otherwise.
+    """Seconds of a step: per batch size B, a plain step's (a running average), and per B and
+    set of drafters that draft in it, a line in the step's K (`policy._Line`: least squares
+    over the steps run, leaning on a prior slope where one K was seen). A size or set not seen
+    yet starts from the nearest size's plain step and a slope of 0.3 of it per draft."""
 
-    Features: 1, rows, target tokens (rows x (K + 1)), and per model drafter its passes and its
-    rows x passes."""
+    def __init__(self, decay: float = 0.97, alpha: float = 0.2):
+        self.decay, self.alpha = decay, alpha
+        self.plain: dict[int, float] = {}
+        self.lines: dict[tuple, _Line] = {}
 
-    def __init__(self, model_drafters: int, plain: float = 0.01, decay: float = 0.98):
-        n = 3 + 2 * model_drafters
-        self.decay = decay
-        prior = np.zeros(n)
-        prior[0], prior[2] = 0.7 * plain, 0.3 * plain  # a plain step of one row
-        prior[3::2] = 0.2 * plain  # a drafter pass costs a fifth of a plain step
-        self.prior = prior
-        self.strength = np.full(n, 2.0)  # pseudo-observations behind each prior weight
-        self.xtx = np.zeros((n, n))
-        self.xty = np.zeros(n)
-        self._weights = prior.copy()
+    def plain_seconds(self, rows: int) -> float | None:
+        if rows in self.plain:
+            return self.plain[rows]
+        if not self.plain:
+            return None
+        near = min(self.plain, key=lambda b: abs(b - rows))
+        return self.plain[near]
 
-    def observe(self, features: np.ndarray, seconds: float) -> None:
-        self.xtx = self.decay * self.xtx + np.outer(features, features)
-        self.xty = self.decay * self.xty + features * seconds
-        scale = self.xtx.trace() / len(features) + 1e-12
-        ridge = np.diag(self.strength) * scale * 1e-2
-        self._weights = np.linalg.solve(self.xtx + ridge, self.xty + ridge @ self.prior)
+    def seconds(self, rows: int, big_k: int, arms: tuple) -> float:
+        plain = self.plain_seconds(rows) or 1.0
+        if big_k == 0:
+            return plain
+        prior = (1.05 * plain, 0.3 * plain)
+        line = self.lines.get((rows, arms))
+        at = prior[0] + prior[1] * big_k if line is None else line.at(big_k, prior, 0.01 * plain)
+        return max(at, 0.5 * plain)
 
-    def seconds(self, features: np.ndarray) -> float:
-        floor = 0.25 * self._weights[0] + 0.25 * self.prior[0]
-        return max(float(features @ self._weights), floor, 1e-6)
-
-    def rescale(self, features: np.ndarray, seconds: float) -> None:
-        """Scale the prior to a measured step (before the fit has seen any)."""
-        self.prior = self.prior * seconds / max(float(features @ self.prior), 1e-12)
-        self._weights = self.prior.copy()
+    def observe(self, rows: int, big_k: int, arms: tuple, seconds: float) -> None:
+        if big_k == 0:
+            old = self.plain.get(rows)
+            self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
+            return
+        predicted = self.seconds(rows, big_k, arms)
+        line = self.lines.setdefault((rows, arms), _Line())
+        line.add(big_k, min(seconds, 3 * predicted), keep=self.decay)
 
 
 @dataclass
@@ -91,7 +93,7 @@ class BatchDraftPolicy:
     """Online choice of the batch's draft length (and each row's drafter).
 
     Args:
-        arms: the drafters' names; `model_arms` those that run a model (their passes cost).
+        arms: the drafters' names.
         max_draft: K at most.
         prior_accept, prior_weight, decay: the acceptance estimates, as `AdaptiveDraftLength`.
         margin: speculation must promise this much more than plain decoding to be taken up,
@@ -99,12 +101,13 @@ class BatchDraftPolicy:
         probe_min, probe_max, probe_budget: plain steps between probes while speculation loses:
             doubling from probe_min up to probe_max, or beyond where a probe's expected loss
             would exceed `probe_budget` of the time between probes.
+        explore_every: every this many speculative steps, K one above or below the best runs
+            instead, so that the cost model sees more than one width.
     """
 
     def __init__(
         self,
         arms: list[str],
-        model_arms: list[str],
         max_draft: int = 8,
         *,
         prior_accept: float = 0.5,
@@ -114,19 +117,21 @@ class BatchDraftPolicy:
         probe_min: int = 4,
         probe_max: int = 32,
         probe_budget: float = 0.01,
+        explore_every: int = 8,
     ):
         self.arms, self.max_draft = list(arms), max_draft
-        self._model_arm = {a: i for i, a in enumerate(model_arms)}
         self.hits = [[0.0] * max_draft for _ in arms]
         self.trials = [[0.0] * max_draft for _ in arms]
         self.prior_accept, self.prior_weight, self.decay = prior_accept, prior_weight, decay
         self.margin = margin
         self.probe_min, self.probe_max, self.probe_budget = probe_min, probe_max, probe_budget
-        self.costs = _Costs(len(model_arms))
+        self.explore_every = explore_every
+        self.costs = _Costs(decay)
         self._plain_seen = 0  # plain steps measured (the first ones set the cost prior)
         self._speculating = False
         self._since_spec = 0
         self._probe_every = probe_min
+        self._steps = 0  # speculative steps chosen for their rate
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -135,20 +140,17 @@ class BatchDraftPolicy:
             self.hits[arm], self.trials[arm], self.prior_accept, self.prior_weight
         )
 
-    def features(self, rows: list[tuple[int | None, int]]) -> np.ndarray:
-        """The cost model's features of a step where row i drafts k_i with arm a_i."""
-        width = 1 + max((k for _, k in rows), default=0)
-        x = np.zeros(3 + 2 * len(self._model_arm))
-        x[0], x[1], x[2] = 1.0, len(rows), len(rows) * width
-        for name, j in self._model_arm.items():
-            ks = [k for a, k in rows if a is not None and k and self.arms[a] == name]
-            if ks:
-                x[3 + 2 * j] = max(ks)
-                x[4 + 2 * j] = len(ks) * max(ks)
-        return x
+    @staticmethod
+    def shape(rows: list[tuple[int | None, int]]) -> tuple[int, int, tuple]:
+        """(B, K, drafters drafting) of a step where row i drafts k_i with arm a_i."""
+        big_k = max((k for _, k in rows), default=0)
+        arms = tuple(sorted({a for a, k in rows if a is not None and k > 0}))
+        return len(rows), big_k, arms
 
     def _plan(self, asks: list[RowAsk], big_k: int, accept) -> tuple[list, float]:
-        """Each row's (arm, k) at batch K = big_k, and the tokens the step would emit."""
+        """Each row's (arm, k) at batch K = big_k, and the tokens the step would emit. A row
+        that may use several drafters takes the one with the most tokens per second of a
+        step where it alone drafts."""
         rows, tokens = [], 0.0
         for ask in asks:
             choice, gain, score = (None, 0), 1.0, 0.0
@@ -158,39 +160,38 @@ class BatchDraftPolicy:
                 if k <= 0:
                     continue
                 g = expected_tokens(accept[arm], k)
-                s = g / (1.0 + self._draft_weight(arm) * k)  # per unit of the row's cost
+                s = g / self.costs.seconds(len(asks), k, (arm,)) if len(ask.arms) > 1 else g
                 if choice[0] is None or s > score:
                     choice, gain, score = (arm, k), g, s
             rows.append(choice)
             tokens += gain
         return rows, tokens
 
-    def _draft_weight(self, arm: int) -> float:
-        """A model drafter's cost per draft of one row, in plain steps of one row."""
-        j = self._model_arm.get(self.arms[arm])
-        if j is None:
-            return 0.0
-        w = self.costs._weights
-        plain = max(w[0] + w[1] + w[2], 1e-9)
-        return max(0.0, (w[3 + 2 * j] + w[4 + 2 * j]) / plain)
+    def _rate(self, rows: list[tuple[int | None, int]], tokens: float) -> float:
+        return tokens / self.costs.seconds(*self.shape(rows))
 
     # --- choice ------------------------------------------------------------------------------
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
         accept = [self.acceptance(a) for a in range(len(self.arms))]
         plain_rows, plain_tokens = self._plan(asks, 0, accept)
-        plain_rate = plain_tokens / self.costs.seconds(self.features(plain_rows))
+        plain_rate = self._rate(plain_rows, plain_tokens)
         if self._plain_seen < 2 or not any(a.arms for a in asks):
             return BatchChoice(0, plain_rows)
         best = None
         for big_k in range(1, self.max_draft + 1):
             rows, tokens = self._plan(asks, big_k, accept)
-            rate = tokens / self.costs.seconds(self.features(rows))
+            rate = self._rate(rows, tokens)
             if best is None or rate > best[0]:
                 best = (rate, big_k, rows)
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
+            self._steps += 1
+            if self._steps % self.explore_every == 0:  # a neighbouring K keeps the fit honest
+                up = self._steps // self.explore_every % 2
+                big_k = max(1, min(self.max_draft, best[1] + (1 if up else -1)))
+                return BatchChoice(big_k, self._plan(asks, big_k, accept)[0])
             return BatchChoice(best[1], best[2])
         self._speculating = False
         if self._since_spec >= self._probe_every:
@@ -211,13 +212,11 @@ class BatchDraftPolicy:
     def observe(self, rows: list[tuple[int | None, int]], outcomes, seconds: float) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
         accepted); it took `seconds`."""
-        x = self.features([(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)])
+        drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
         if not any(k for _, k in rows):
             self._since_spec += 1
             self._plain_seen += 1
-            if self._plain_seen == 1:
-                self.costs.rescale(x, seconds)
-        self.costs.observe(x, seconds)
+        self.costs.observe(*self.shape(drafted), seconds)
         for (arm, asked), (_, accepted) in zip(rows, outcomes, strict=True):
             if arm is None or asked <= 0:
                 continue

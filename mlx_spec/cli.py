@@ -56,18 +56,22 @@ def _add_generate(sub) -> None:
 
 
 def _drafter(args, model):
+    """The drafter the flags name; several flags: a group, chosen between every round."""
     if getattr(args, "all_drafters", None):  # the embedded pair: n-gram, draft model, MTP head
         (draft,) = args.all_drafters
         return ["ngram", mlx_spec.load_drafter(draft), "mtp"]
+    chosen = []
     if args.ngram:
-        return "ngram"
-    if args.mtp is not None:
-        return mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp"
-    if args.assistant:
-        return mlx_spec.load_gemma4_assistant(args.assistant, model)
+        chosen.append("ngram")
     if args.draft_model:
-        return mlx_spec.load_drafter(args.draft_model)
-    return None
+        chosen.append(mlx_spec.load_drafter(args.draft_model))
+    if args.mtp is not None:
+        chosen.append(mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp")
+    if args.assistant:
+        chosen.append(mlx_spec.load_gemma4_assistant(args.assistant, model))
+    if len(chosen) > 1:
+        return chosen
+    return chosen[0] if chosen else None
 
 
 def _demo_defaults(args) -> None:
@@ -444,8 +448,9 @@ def cmd_bench(args) -> int:
 
 
 def _add_drafter_flags(p) -> None:
-    """The drafter choice shared by generate, chat and serve."""
-    drafters = p.add_mutually_exclusive_group()
+    """The drafter choice shared by generate, chat and serve (several flags together: each
+    round drafts with the one expected to be fastest)."""
+    drafters = p.add_argument_group("drafters (one, or several: chosen between every round)")
     drafters.add_argument("--draft-model", help="small draft model with the target's tokenizer")
     drafters.add_argument("--ngram", action="store_true", help="prompt-lookup drafting, no model")
     drafters.add_argument(
@@ -631,12 +636,11 @@ def cmd_serve(args) -> int:
     drafters = drafter_factories(
         model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant
     )
-    default = next(
-        (name for name, flag in [("all", getattr(args, "all_drafters", None)),
-                                 ("draft-model", args.draft_model), ("ngram", args.ngram),
-                                 ("mtp", mtp), ("gemma4-assistant", args.assistant)] if flag),
-        None,
-    )  # fmt: skip
+    flags = [("draft-model", args.draft_model), ("ngram", args.ngram), ("mtp", mtp),
+             ("gemma4-assistant", args.assistant)]  # fmt: skip
+    named = [name for name, flag in flags if flag]
+    several = getattr(args, "all_drafters", None) or len(named) > 1
+    default = "all" if several else (named[0] if named else None)
     config = ServerConfig(
         model_id=args.model_id
         or ("mlx-spec-demo" if demo else os.path.basename(os.path.normpath(args.model))),

@@ -32,9 +32,13 @@ from mlx_spec.batch_sampling import (
     RowRandom,
     batch_probs,
     batch_verify,
+    draft_dists,
+    draw,
     greedy_batch_verify,
     gumbel,
-    uniform,
+    padded_drafts,
+    row_uniforms,
+    step_inputs,
 )
 from mlx_spec.decode import Round
 from mlx_spec.hidden import tap_hidden
@@ -73,6 +77,17 @@ class BatchRequest:
     drafter: str | None = None
     num_draft: int | str = "auto"
     seed: int | None = None
+
+
+@dataclass
+class _Ahead:
+    """A plain step queued but not read: the rows it serves, its `[B]` draws (lazy) and the
+    target's `[B, T]` hidden states at the tokens it fed (for drafters that read them)."""
+
+    ids: list[int]
+    tokens: mx.array
+    hidden: mx.array | None
+    tic: float
 
 
 @dataclass
@@ -130,12 +145,15 @@ class BatchEngine:
         self.row_cache = row_cache
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
         self._tap = tap_hidden(model) if self.needs_hidden else None
-        model_arms = [n for n, d in drafters.items() if hasattr(d, "cache")]
-        self.policy = BatchDraftPolicy(self.names, model_arms, max_draft)
+        self.policy = BatchDraftPolicy(self.names, max_draft)
         self.cache: BatchCache | None = None  # the target's, over `active`
         self.active: list[_Row] = []
         self.waiting: list[_Row] = []
         self._next_id = 0
+        self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
+        self._last_settle = time.perf_counter()
+        self._prefill_spent = 0.0  # prefill time since the last settled step
+        self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -177,7 +195,7 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.active or self.waiting)
+        return bool(self.active or self.waiting or self._ahead)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -185,19 +203,20 @@ class BatchEngine:
         """Up to `prefill_step` prompt tokens of joining requests (short prompts join several
         at a time), then a decoding step of the batch."""
         self._drop_cancelled()
-        budget = self.prefill_step
+        budget, tic = self.prefill_step, time.perf_counter()
         while self.waiting and len(self.active) < self.max_batch and budget > 0:
             row = self.waiting[0]
             budget -= max(1, self._prefill_chunk(row, budget))
             if row in self.waiting:  # its prompt goes on next step
                 break
+        self._prefill_spent += time.perf_counter() - tic  # not charged to the decoding steps
         if self.active:
             try:
                 self._decode()
             except Exception as exc:  # the batch's state is unknown: every active row fails
                 for row in self.active:
                     row.request.emit(exc)
-                self.active, self.cache = [], None
+                self.active, self.cache, self._ahead = [], None, None
                 for drafter in self.drafters.values():
                     drafter.reset()
                 raise
@@ -205,32 +224,38 @@ class BatchEngine:
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(row)
-        for row in [r for r in self.active if r.cancelled]:
-            self._remove(row, keep_cache=False)
+        cancelled = [r for r in self.active if r.cancelled]
+        if cancelled:
+            for row in cancelled:
+                row.done = True  # the queued step's token for it is dropped
+            self._flush()
 
     # --- joining -------------------------------------------------------------------------------
 
     def _prefill_chunk(self, row: _Row, budget: int) -> int:
-        """Prefill up to `budget` more prompt tokens of a joining row (returns how many); when
-        its prompt is in, merge it into the batch."""
+        """Prefill up to `budget` more prompt tokens of a joining row (returns how many). The
+        last chunk also draws the first token, which is emitted at once (before the drafters
+        catch up); then the row joins the batch."""
         fed = 0
         try:
             if row.prefill is None:
                 self._start_prefill(row)
             ids = row.tokens
-            end = min(len(ids) - 1, row.fed + budget)
-            fed = max(0, end - row.fed)
-            if end > row.fed:
-                chunk = ids[row.fed : end]
-                row.prefill.begin([len(chunk)])
-                self.model(mx.array([chunk], mx.uint32), cache=row.prefill.layers)
-                row.prefill.end([len(chunk)])
-                if row.needs_hidden:
-                    row.hidden.append(self._tap.hidden[0])
-                mx.eval(row.prefill.state, row.hidden[-1:])
-                row.fed = end
-            if row.fed >= len(ids) - 1:
-                self._join(row)
+            end = min(len(ids), row.fed + budget)
+            fed = end - row.fed
+            chunk = ids[row.fed : end]
+            row.prefill.begin([len(chunk)])
+            logits = self.model(mx.array([chunk], mx.uint32), cache=row.prefill.layers)
+            row.prefill.end([len(chunk)])
+            if row.needs_hidden:
+                row.hidden.append(self._tap.hidden[0])
+            first = None
+            if end == len(ids):
+                first = self._draw([row], logits[:, -1, : self.vocab])
+            mx.eval(row.prefill.state, row.hidden[-1:], first)
+            row.fed = end
+            if first is not None:
+                self._first_token(row, first.item())
         except Exception as exc:  # this request alone fails
             if row in self.waiting:
                 self.waiting.remove(row)
@@ -258,9 +283,23 @@ class BatchEngine:
             else:
                 row.hidden = [entry.hidden[: entry.reuse]]
 
+    def _first_token(self, row: _Row, token: int) -> None:
+        """Emit the token drawn after the prompt; the row then joins the batch, or, if that
+        token ended it, goes straight to the prompt cache."""
+        self.waiting.remove(row)
+        row.stats.cached_tokens = row.cached
+        row.stats.prefill_seconds = time.perf_counter() - row.tic
+        row.tic = time.perf_counter()
+        self._emit(row, [token], 0, 0, None, joined=False)
+        if row.done:
+            if self.row_cache is not None:
+                hidden = mx.concatenate(row.hidden) if row.needs_hidden and row.hidden else None
+                self.row_cache.put(row.tokens, row.prefill, {}, hidden)
+            return
+        self._join(row)
+
     def _join(self, row: _Row) -> None:
         """The row's prompt is in its cache: its drafters join, its cache joins the batch."""
-        self.waiting.remove(row)
         hidden = None
         if row.needs_hidden and row.hidden:
             hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
@@ -276,9 +315,6 @@ class BatchEngine:
         else:
             self.cache.extend(row.prefill)
         row.prefill = None
-        row.stats.cached_tokens = row.cached
-        row.stats.prefill_seconds = time.perf_counter() - row.tic
-        row.tic = time.perf_counter()
         self.active.append(row)
 
     # --- decoding --------------------------------------------------------------------------
@@ -294,14 +330,97 @@ class BatchEngine:
         return RowAsk(row.arms, fixed, limit, available)
 
     def _decode(self) -> None:
-        tic = time.perf_counter()
         rows = list(self.active)
         choice = self.policy.choose([self._ask(r) for r in rows])
+        plain = not any(k for _, k in choice.rows)
+        ids = [r.id for r in rows]
+        if self._ahead is not None and (not plain or self._ahead.ids != ids):
+            self._flush()  # the pipeline of plain steps ends here; choose again next step
+            return
+        if plain:
+            self._plain_step(rows, choice)
+        else:
+            self._speculative_step(rows, choice)
+        for row in [r for r in self.active if r.done]:
+            self._remove(row, keep_cache=True)
+
+    # --- plain steps, pipelined -------------------------------------------------------------
+
+    def _plain_step(self, rows: list[_Row], choice) -> None:
+        """Queue the pass of the next plain step (its input: the tokens the queued step will
+        draw), then read and emit the queued step: the model computes one step while Python
+        handles the last. A row that ends stops the pipeline (the step queued after it is
+        emitted at once for the others)."""
+        if self._ahead is None:
+            self._ahead = self._launch(rows, mx.array([r.tokens[-1] for r in rows], mx.uint32))
+            if not all(self._pipelinable(r) for r in rows):
+                self._flush(choice)
+            return
+        ahead = self._launch(rows, self._ahead.tokens)
+        self._settle(self._ahead, choice)
+        self._ahead = ahead
+        if any(r.done for r in rows):
+            self._flush(choice)
+
+    @staticmethod
+    def _pipelinable(row: _Row) -> bool:
+        """Whether the row's steps may be chosen one token early: a row with a fixed k and a
+        drafter drafts what its lookup finds after its last token, so that its draws (and a
+        seeded row's output) do not depend on what else runs."""
+        return not row.arms or not isinstance(row.request.num_draft, int)
+
+    def _launch(self, rows: list[_Row], tokens: mx.array) -> _Ahead:
+        """Queue a plain pass of every row over `[B]` tokens; its draws stay lazy."""
+        self.cache.begin([1] * len(rows))
+        logits = self.model(tokens[:, None], cache=self.cache.layers)[:, 0, : self.vocab]
+        self.cache.end([1] * len(rows))
+        hidden = self._tap.hidden[:, 0] if self._tap is not None else None
+        nxt = self._draw(rows, logits)
+        mx.async_eval(nxt)
+        return _Ahead([r.id for r in rows], nxt, hidden, time.perf_counter())
+
+    def _draw(self, rows: list[_Row], logits: mx.array) -> mx.array:
+        """`[B]` next tokens from `[B, V]` logits, each row with its settings and stream."""
+        if all(r.request.sampling.greedy for r in rows):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        probs = batch_probs(logits, [r.request.sampling for r in rows])
+        return draw(probs, gumbel([r.random for r in rows], (logits.shape[-1],)))
+
+    def _settle(self, ahead: _Ahead, choice=None) -> None:
+        """Read a queued plain step and hand each row its token (rows that ended since it was
+        queued get nothing: their token is dropped with their caches)."""
+        tokens = ahead.tokens.tolist()
+        rows = {r.id: r for r in self.active}
+        for i, row_id in enumerate(ahead.ids):
+            row = rows.get(row_id)
+            if row is None or row.done:
+                continue
+            hidden = None if ahead.hidden is None else ahead.hidden[i : i + 1]
+            self._emit(row, [tokens[i]], 0, 0, hidden)
+        now = time.perf_counter()
+        if choice is not None:
+            seconds = now - self._last_settle - self._prefill_spent
+            self.policy.observe(choice.rows, [(0, 0)] * len(choice.rows), seconds)
+        self._last_settle, self._prefill_spent = now, 0.0
+
+    def _flush(self, choice=None) -> None:
+        """Settle the queued plain step, if any."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            self._settle(ahead, choice)
+        self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
+        for row in [r for r in self.active if r.done]:
+            self._remove(row, keep_cache=not row.cancelled)
+
+    # --- speculative steps --------------------------------------------------------------------
+
+    def _speculative_step(self, rows: list[_Row], choice) -> None:
+        tic = time.perf_counter()
         drafts = self._draft(rows, choice.rows)
         k = max((d.tokens.shape[0] for d in drafts.values()), default=0)
         counts = [0 if r.id not in drafts else drafts[r.id].tokens.shape[0] for r in rows]
         lengths = [1 + n for n in counts]
-        x = mx.stack([self._inputs(r, drafts.get(r.id), k) for r in rows])  # [B, 1 + K]
+        x = mx.stack([step_inputs(r.tokens[-1], drafts.get(r.id), k) for r in rows])  # [B, 1+K]
         self.cache.begin(lengths)
         logits = self.model(x, cache=self.cache.layers)[..., : self.vocab]  # [B, 1 + K, V]
         self.cache.end(lengths)
@@ -309,12 +428,18 @@ class BatchEngine:
         accepted, nxt = self._verify(rows, drafts, logits, counts, k)
         mx.eval(accepted, nxt)
         accepted, nxt = accepted.tolist(), nxt.tolist()
-        keeps = self._commit(rows, drafts, counts, accepted, nxt, hidden)
-        kept = [min(a, kp - 1) for a, kp in zip(accepted, keeps, strict=True)]
-        outcomes = list(zip(counts, kept, strict=True))
+        targets = self.cache.lengths
+        outcomes = []
+        for i, row in enumerate(rows):
+            n, draft = accepted[i], drafts.get(row.id)
+            emitted = (draft.tokens[:n].tolist() if n else []) + [nxt[i]]
+            rows_hidden = None if hidden is None else hidden[i, : n + 1]
+            keep = self._emit(row, emitted, counts[i], n, rows_hidden)
+            targets[i] += keep - (1 + counts[i])  # the pass fed last + drafts; keep `keep`
+            outcomes.append((counts[i], min(n, keep - 1)))
+        self.cache.truncate(targets)
         self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic)
-        for row in [r for r in rows if r.done]:
-            self._remove(row, keep_cache=True)
+        self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
 
     def _draft(self, rows: list[_Row], plan) -> dict[int, RowDraft]:
         per_drafter: dict[int, dict[int, int]] = {}
@@ -331,102 +456,49 @@ class BatchEngine:
             self._arm_of.update({row: arm for row in got})
         return drafts
 
-    @staticmethod
-    def _inputs(row: _Row, draft: RowDraft | None, k: int) -> mx.array:
-        """`[1 + K]` ids: the row's pending token, its drafts, pads."""
-        parts = [mx.array([row.tokens[-1]], mx.uint32)]
-        n = 0 if draft is None else draft.tokens.shape[0]
-        if n:
-            parts.append(draft.tokens.astype(mx.uint32))
-        if k > n:
-            parts.append(mx.zeros((k - n,), mx.uint32))
-        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
-
     def _verify(self, rows, drafts, logits, counts, k):
         num = mx.array(counts, mx.int32)
-        tokens = mx.stack([self._padded(drafts.get(r.id), k) for r in rows])  # [B, K]
+        tokens = mx.stack([padded_drafts(drafts.get(r.id), k) for r in rows])  # [B, K]
         if all(r.request.sampling.greedy for r in rows):
             return greedy_batch_verify(logits, tokens, num)
         vocab = logits.shape[-1]
         target = batch_probs(logits, [r.request.sampling for r in rows])  # [B, K + 1, V]
         draft_probs = None
         if any(d.probs is not None for d in drafts.values()):
-            draft_probs = mx.stack([self._dist(drafts.get(r.id), k, vocab) for r in rows])
-        randoms = [r.random for r in rows]
+            draft_probs = mx.stack([draft_dists(drafts.get(r.id), k, vocab) for r in rows])
         # Each row draws as many uniforms as it has drafts: its stream never depends on the
         # other rows.
-        u = mx.stack([self._uniforms(r.random, n, k) for r, n in zip(rows, counts, strict=True)])
-        noise = gumbel(randoms, (vocab,))
+        u = mx.stack([row_uniforms(r.random, n, k) for r, n in zip(rows, counts, strict=True)])
+        noise = gumbel([r.random for r in rows], (vocab,))
         return batch_verify(target, draft_probs, tokens, num, u, noise)
 
-    @staticmethod
-    def _uniforms(random: RowRandom | None, n: int, k: int) -> mx.array:
-        """`[k]`: n uniforms from the row's stream, then zeros (pads, never tested)."""
-        if random is None or n == 0:
-            return mx.zeros((k,))
-        u = uniform([random], (n,))[0]
-        return mx.concatenate([u, mx.zeros((k - n,))]) if k > n else u
-
-    @staticmethod
-    def _padded(draft: RowDraft | None, k: int) -> mx.array:
-        n = 0 if draft is None else draft.tokens.shape[0]
-        parts = ([draft.tokens.astype(mx.uint32)] if n else []) + (
-            [mx.zeros((k - n,), mx.uint32)] if k > n else []
-        )
-        if not parts:
-            return mx.zeros((0,), mx.uint32)
-        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
-
-    @staticmethod
-    def _dist(draft: RowDraft | None, k: int, vocab: int) -> mx.array:
-        """`[K, V]` draft distributions of a row (one-hot where it has none; zeros as pads)."""
-        n = 0 if draft is None else draft.tokens.shape[0]
-        if not n:
-            return mx.zeros((k, vocab))
-        probs = draft.probs
-        if probs is None:
-            probs = (mx.arange(vocab)[None] == draft.tokens[:, None]).astype(mx.float32)
-        probs = probs[:, :vocab]
-        if k > n:
-            probs = mx.concatenate([probs, mx.zeros((k - n, vocab))])
-        return probs
-
-    def _commit(self, rows, drafts, counts, accepted, nxt, hidden) -> list[int]:
-        """Roll the caches back per row, emit the rows' tokens; returns each row's kept count."""
-        lengths = self.cache.lengths
-        keeps = []
-        for i, row in enumerate(rows):
-            n = accepted[i]
-            draft = drafts.get(row.id)
-            emitted = (draft.tokens[:n].tolist() if n else []) + [nxt[i]]
-            rnd = Round(emitted, counts[i], n, 0.0)
-            chunks, finish, keep = row.cutter.round(rnd)
-            keep = len(emitted) if keep is None else keep
-            keeps.append(keep)
-            base = lengths[i] - (1 + counts[i])  # the row's length before this step
-            lengths[i] = base + keep
-            row.stats.observe_round(counts[i], n, len(chunks), 0.0)
-            row.stats.observe_choice(
-                None if not counts[i] else self.names[self._arm_of[row.id]], counts[i]
+    def _emit(
+        self, row: _Row, emitted: list[int], drafted: int, accepted: int, hidden, joined=True
+    ) -> int:
+        """A row's step: its tokens through the cutter to its callback, its drafters told
+        (once it has `joined` them); returns how many of `emitted` stay in the sequence."""
+        chunks, finish, keep = row.cutter.round(Round(emitted, drafted, accepted, 0.0))
+        keep = len(emitted) if keep is None else keep
+        row.stats.observe_round(drafted, accepted, len(chunks), 0.0)
+        arm = self._arm_of.get(row.id) if drafted else None
+        row.stats.observe_choice(None if arm is None else self.names[arm], drafted)
+        row.tokens += emitted[:keep]
+        row.produced += len(chunks)
+        kept_hidden = None if hidden is None else hidden[:keep]
+        if row.needs_hidden and kept_hidden is not None:
+            row.hidden.append(kept_hidden)
+        for a in row.arms if joined else []:
+            mine = drafted if a == arm else 0
+            self.drafters[self.names[a]].accept(
+                row.id, mine, min(accepted, keep - 1), emitted[:keep], kept_hidden
             )
-            row.tokens += emitted[:keep]
-            row.produced += len(chunks)
-            rows_hidden = None if hidden is None else hidden[i, :keep]
-            if row.needs_hidden:
-                row.hidden.append(rows_hidden)
-            for arm in row.arms:
-                drafted = counts[i] if self._arm_of.get(row.id) == arm else 0
-                self.drafters[self.names[arm]].accept(
-                    row.id, drafted, min(n, keep - 1), emitted[:keep], rows_hidden
-                )
-            for chunk in chunks:
-                row.request.emit(chunk)
-            if finish is not None or row.produced >= row.request.max_tokens:
-                row.done = True
-                row.stats.decode_seconds = time.perf_counter() - row.tic
-                row.request.emit(row.cutter.final(finish or "length"))
-        self.cache.truncate(lengths)
-        return keeps
+        for chunk in chunks:
+            row.request.emit(chunk)
+        if finish is not None or row.produced >= row.request.max_tokens:
+            row.done = True
+            row.stats.decode_seconds = time.perf_counter() - row.tic
+            row.request.emit(row.cutter.final(finish or "length"))
+        return keep
 
     # --- leaving -------------------------------------------------------------------------------
 
@@ -435,6 +507,8 @@ class BatchEngine:
         states = {self.names[a]: self.drafters[self.names[a]].leave(row.id) for a in row.arms}
         if keep_cache and self.row_cache is not None:
             one = self.cache.extract(i, self.model)
+            if one.lengths[0] > len(row.tokens) - 1:  # a queued step fed its last token
+                one.truncate([len(row.tokens) - 1])
             hidden = mx.concatenate(row.hidden) if row.needs_hidden and row.hidden else None
             self.row_cache.put(row.tokens, one, states, hidden)
         self.active.pop(i)

@@ -283,19 +283,23 @@ def test_batched_negative_controls_fail(pair, monkeypatch, control):  # noqa: F8
     assert chisquare_pvalue(samples, exact_distribution(pair[0], CONFIGS[0])) < ALPHA
 
 
-def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair):  # noqa: F811
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
+def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair, drafter):  # noqa: F811
+    """A seeded row with a fixed k draws from its own stream: the same tokens alone and beside
+    rows that start, draft and finish around it (n-gram: also when its lookup finds nothing
+    and it takes plain steps)."""
     model, tok, draft, _ = pair
     config = SamplingConfig(temperature=1.0)
-    req = dict(
-        prompt=PROMPT, sampling=config, max_tokens=24, drafter="draft-model", num_draft=2, seed=11
-    )
+    req = dict(prompt=PROMPT, sampling=config, max_tokens=24, drafter=drafter, num_draft=2, seed=11)
 
     def run(extra):
-        engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=8)
+        drafters = {"draft-model": BatchDraftModel(draft), "ngram": BatchNgram()}
+        engine = engine_for(model, tok, drafters, max_batch=8)
         return run_all(engine, [req] + extra)[0][0]
 
     others = [
-        dict(req, seed=None, prompt=[3, 4], max_tokens=n, num_draft=n % 3) for n in (5, 30, 12)
+        dict(req, seed=None, prompt=[3, 4], max_tokens=n, num_draft=("auto", 0, 1)[n % 3])
+        for n in (5, 30, 12)
     ]
     assert run([]) == run(others)
 
@@ -328,8 +332,8 @@ def test_batch_policy_follows_the_cost_of_verification():
     """Acceptance 0.8: with verification nearly free (memory-bound) the batch drafts several
     tokens a row; when each verified token costs as much as the step's fixed part
     (compute-bound, a large batch on a CPU) it decodes plainly, probing now and then."""
-    cheap = drive(BatchDraftPolicy(["draft"], ["draft"]), rows=4, accept=0.8, token_cost=0.01)
-    dear = drive(BatchDraftPolicy(["draft"], ["draft"]), rows=8, accept=0.8, token_cost=1.0)
+    cheap = drive(BatchDraftPolicy(["draft"]), rows=4, accept=0.8, token_cost=0.01)
+    dear = drive(BatchDraftPolicy(["draft"]), rows=8, accept=0.8, token_cost=1.0)
     assert sum(k >= 2 for k in cheap[-100:]) >= 90
     assert sum(k == 0 for k in dear[-100:]) >= 90
 
