@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_spec.policy import _ema, _Line, chain_acceptance, count_round, expected_tokens
+from mlx_spec.policy import _ema, chain_acceptance, count_round, expected_tokens
 
 import numpy as np
 
@@ -43,32 +43,47 @@ class RowAsk:
 
 
 class _Costs:
-    """Seconds of a step: per batch size B, a plain step's (a running average), and per B and
-    set of drafters that draft in it, a line in the step's K (`policy._Line`: least squares
-    over the steps run, leaning on a prior slope where one K was seen). A size or set not seen
-    yet starts from the nearest size's plain step and a slope of 0.3 of it per draft."""
+    """Seconds of a step. A plain step of B rows: a running average per B (the nearest B
+    stands in for one not seen). A step where a set of drafters drafts up to K per row: the
+    plain step of its B plus c0 + K (c1 + c2 B): a switch out of the pipelined plain steps,
+    then per draft position a drafter pass and B more tokens in the target's pass. c0, c1,
+    c2 are fitted per drafter set by least squares over the steps run (decayed, all batch
+    sizes pooled, so that what B = 8 taught serves B = 5), behind a prior of a few steps'
+    weight: 0.05, 0.1 and 0.1 of a one-row plain step."""
 
-    def __init__(self, decay: float = 0.97, alpha: float = 0.2):
-        self.decay, self.alpha = decay, alpha
+    def __init__(self, decay: float = 0.97, alpha: float = 0.2, prior_weight: float = 3.0):
+        self.decay, self.alpha, self.prior_weight = decay, alpha, prior_weight
         self.plain: dict[int, float] = {}
-        self.lines: dict[tuple, _Line] = {}
+        self.fits: dict[tuple, list] = {}  # arms -> [x^T x (3x3), x^T y (3)]
 
-    def plain_seconds(self, rows: int) -> float | None:
+    def plain_seconds(self, rows: int) -> float:
         if rows in self.plain:
             return self.plain[rows]
         if not self.plain:
-            return None
-        near = min(self.plain, key=lambda b: abs(b - rows))
+            return 1.0
+        below = [b for b in self.plain if b < rows]
+        above = [b for b in self.plain if b > rows]
+        if below and above:  # between two sizes seen: the line through them
+            lo, hi = max(below), min(above)
+            share = (rows - lo) / (hi - lo)
+            return self.plain[lo] + share * (self.plain[hi] - self.plain[lo])
+        near = max(below) if below else min(above)
         return self.plain[near]
 
+    def _weights(self, arms: tuple) -> np.ndarray:
+        base = self.plain_seconds(1)
+        prior = np.array([0.05, 0.1, 0.1]) * base
+        ridge = self.prior_weight * np.diag([1.0, 1.0, 16.0])  # a few one-draft steps of B = 4
+        xtx, xty = self.fits.get(arms, (np.zeros((3, 3)), np.zeros(3)))
+        weights = np.linalg.solve(xtx + ridge, xty + ridge @ prior)
+        return np.maximum(weights, 0.0)  # no part of a step makes it cheaper
+
     def seconds(self, rows: int, big_k: int, arms: tuple) -> float:
-        plain = self.plain_seconds(rows) or 1.0
+        plain = self.plain_seconds(rows)
         if big_k == 0:
             return plain
-        prior = (1.05 * plain, 0.3 * plain)
-        line = self.lines.get((rows, arms))
-        at = prior[0] + prior[1] * big_k if line is None else line.at(big_k, prior, 0.01 * plain)
-        return max(at, 0.5 * plain)
+        c0, c1, c2 = self._weights(arms)
+        return plain + c0 + big_k * (c1 + c2 * rows)
 
     def observe(self, rows: int, big_k: int, arms: tuple, seconds: float) -> None:
         if big_k == 0:
@@ -76,8 +91,10 @@ class _Costs:
             self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
             return
         predicted = self.seconds(rows, big_k, arms)
-        line = self.lines.setdefault((rows, arms), _Line())
-        line.add(big_k, min(seconds, 3 * predicted), keep=self.decay)
+        extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
+        x = np.array([1.0, big_k, big_k * rows])
+        xtx, xty = self.fits.get(arms, (np.zeros((3, 3)), np.zeros(3)))
+        self.fits[arms] = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * extra)
 
 
 @dataclass
@@ -199,6 +216,11 @@ class BatchDraftPolicy:
             self._probe_every = self._next_probe(best[0], plain_rate)
             return BatchChoice(best[1], best[2], probe=True)
         return BatchChoice(0, plain_rows)
+
+    def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
+        """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
+        accept = [self.acceptance(a) for a in range(len(self.arms))]
+        return BatchChoice(choice.num_draft, self._plan(asks, choice.num_draft, accept)[0])
 
     def _next_probe(self, rate: float, plain_rate: float) -> int:
         """Steps before the next probe: twice the last interval, at least enough that a

@@ -591,6 +591,20 @@ def _add_serve(sub) -> None:
         "suffixes, 0 turns the prompt cache off (default 2G)",
     )
     p.add_argument(
+        "--max-kv-bytes",
+        type=_byte_count,
+        default=None,
+        metavar="BYTES",
+        help="cache memory the batched requests may reserve (prompt + max_tokens each): more "
+        "requests wait, one that alone needs more is refused; K/M/G suffixes (default: 40%% "
+        "of the device's memory)",
+    )
+    p.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="advance requests one after another in turn instead of batching them",
+    )
+    p.add_argument(
         "--prefill-step",
         type=int,
         default=256,
@@ -655,6 +669,8 @@ def cmd_serve(args) -> int:
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_entries=max(args.prompt_cache_entries, 0),
         prefill_step=args.prefill_step,
+        batching=not args.no_batching,
+        max_kv_bytes=args.max_kv_bytes or None,
     )
     app = create_app(model, tokenizer, config, drafters)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

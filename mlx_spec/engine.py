@@ -42,6 +42,7 @@ from mlx_spec.batch_sampling import (
 )
 from mlx_spec.decode import Round
 from mlx_spec.hidden import tap_hidden
+from mlx_spec.models.mtp import target_hidden_size
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -91,6 +92,14 @@ class _Ahead:
 
 
 @dataclass
+class _Joining:
+    """Requests prefilled together: their rows and their cache (one row each)."""
+
+    rows: list
+    cache: BatchCache
+
+
+@dataclass
 class _Row:
     id: int
     request: BatchRequest
@@ -123,6 +132,10 @@ class BatchEngine:
         max_draft: the longest draft K the policy considers.
         prefill_step: prompt tokens prefilled per step of the batch.
         row_cache: a `RowCache` for finished rows (None: no reuse).
+        max_kv_bytes: the cache memory the active rows may reserve (each reserves its prompt
+            and `max_tokens`, in the target's and its drafters' caches); a request waits until
+            enough is free, and one that alone needs more fails with a ValueError. None: no
+            limit.
     """
 
     def __init__(
@@ -136,11 +149,17 @@ class BatchEngine:
         max_draft: int = 8,
         prefill_step: int = 256,
         row_cache=None,
+        max_kv_bytes: int | None = None,
     ):
         self.model, self.tokenizer, self.vocab = model, tokenizer, vocab_size
         self.drafters = drafters
         self.names = list(drafters)
         self.max_batch, self.max_draft, self.prefill_step = max_batch, max_draft, prefill_step
+        self.max_kv_bytes = max_kv_bytes
+        self.token_bytes = {None: token_bytes(model)}  # per drafter name (None: the target)
+        for name, drafter in drafters.items():
+            if hasattr(drafter, "cache"):
+                self.token_bytes[name] = token_bytes(drafter.model, drafter.needs_hidden)
         self.context = context_limit(model)
         self.row_cache = row_cache
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
@@ -151,6 +170,7 @@ class BatchEngine:
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
+        self._joining: _Joining | None = None  # requests being prefilled together
         self._last_settle = time.perf_counter()
         self._prefill_spent = 0.0  # prefill time since the last settled step
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
@@ -195,20 +215,19 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.active or self.waiting or self._ahead)
+        return bool(self.active or self.waiting or self._ahead or self._joining)
 
     # --- the loop ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Up to `prefill_step` prompt tokens of joining requests (short prompts join several
-        at a time), then a decoding step of the batch."""
+        """A chunk of the prompts of the joining requests (prefilled together, about
+        `prefill_step` tokens in all), then a decoding step of the batch."""
         self._drop_cancelled()
-        budget, tic = self.prefill_step, time.perf_counter()
-        while self.waiting and len(self.active) < self.max_batch and budget > 0:
-            row = self.waiting[0]
-            budget -= max(1, self._prefill_chunk(row, budget))
-            if row in self.waiting:  # its prompt goes on next step
-                break
+        tic = time.perf_counter()
+        if self._joining is None:
+            self._joining = self._form_group()
+        if self._joining is not None:
+            self._prefill_group(self._joining)
         self._prefill_spent += time.perf_counter() - tic  # not charged to the decoding steps
         if self.active:
             try:
@@ -221,6 +240,31 @@ class BatchEngine:
                     drafter.reset()
                 raise
 
+    def reserved(self, row: _Row) -> int:
+        """Cache bytes a row may come to hold: its prompt and max_tokens, in the target's and
+        its model drafters' caches."""
+        names = [None] + [self.names[a] for a in row.arms]
+        per_token = sum(self.token_bytes.get(n, 0) for n in names)
+        return per_token * (len(row.request.prompt) + row.request.max_tokens)
+
+    def _fits(self, row: _Row, joining: list[_Row]) -> bool:
+        """Whether the row may start now beside the active rows and those `joining` with it;
+        a row that could never fit fails."""
+        if self.max_kv_bytes is None:
+            return True
+        need = self.reserved(row)
+        if need > self.max_kv_bytes:
+            self.waiting.remove(row)
+            row.request.emit(
+                ValueError(
+                    f"the request needs about {need >> 20} MiB of cache (prompt and max_tokens); "
+                    f"the server allows {self.max_kv_bytes >> 20} MiB: ask for fewer tokens"
+                )
+            )
+            return False
+        held = sum(self.reserved(r) for r in self.active + joining)
+        return need + held <= self.max_kv_bytes
+
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(row)
@@ -232,40 +276,64 @@ class BatchEngine:
 
     # --- joining -------------------------------------------------------------------------------
 
-    def _prefill_chunk(self, row: _Row, budget: int) -> int:
-        """Prefill up to `budget` more prompt tokens of a joining row (returns how many). The
-        last chunk also draws the first token, which is emitted at once (before the drafters
-        catch up); then the row joins the batch."""
-        fed = 0
-        try:
-            if row.prefill is None:
+    def _form_group(self) -> _Joining | None:
+        """The waiting requests that fit now (batch slots, cache memory), each with the prefix
+        the prompt cache had for it, as one cache to prefill together."""
+        rows: list[_Row] = []
+        while self.waiting and len(self.active) + len(rows) < self.max_batch:
+            row = self.waiting[0]
+            if not self._fits(row, rows):
+                break
+            self.waiting.pop(0)
+            try:
                 self._start_prefill(row)
-            ids = row.tokens
-            end = min(len(ids), row.fed + budget)
-            fed = end - row.fed
-            chunk = ids[row.fed : end]
-            row.prefill.begin([len(chunk)])
-            logits = self.model(mx.array([chunk], mx.uint32), cache=row.prefill.layers)
-            row.prefill.end([len(chunk)])
-            if row.needs_hidden:
-                row.hidden.append(self._tap.hidden[0])
-            first = None
-            if end == len(ids):
-                first = self._draw([row], logits[:, -1, : self.vocab])
-            mx.eval(row.prefill.state, row.hidden[-1:], first)
-            row.fed = end
-            if first is not None:
-                self._first_token(row, first.item())
-        except Exception as exc:  # this request alone fails
-            if row in self.waiting:
-                self.waiting.remove(row)
-            for drafter in self.drafters.values():
-                if row.id in drafter.rows:
-                    drafter.leave(row.id)
-            row.request.emit(exc)
-        return fed
+            except Exception as exc:  # this request alone fails
+                row.request.emit(exc)
+                continue
+            rows.append(row)
+        if not rows:
+            return None
+        cache = rows[0].prefill
+        for row in rows[1:]:
+            cache.extend(row.prefill)
+        for row in rows:
+            row.prefill = None
+        return _Joining(rows, cache)
+
+    def _prefill_group(self, group: _Joining) -> None:
+        """Feed the group's next chunk (right-padded); a row whose prompt is in draws its first
+        token and emits it at once; when every prompt is in, the rows join the batch."""
+        rows = group.rows
+        left = [len(r.request.prompt) - r.fed for r in rows]  # prompt tokens still to feed
+        width = min(max(left), max(16, self.prefill_step // len(rows)))
+        lengths = [min(width, n) for n in left]
+        pads = [width - n for n in lengths]
+        x = [
+            r.tokens[r.fed : r.fed + width - pad] + [0] * pad
+            for r, pad in zip(rows, pads, strict=True)
+        ]
+        group.cache.begin(lengths)
+        logits = self.model(mx.array(x, mx.uint32), cache=group.cache.layers)
+        group.cache.end(lengths)
+        finishing = [i for i, (n, m) in enumerate(zip(lengths, left, strict=True)) if n and n == m]
+        at = mx.array([max(n - 1, 0) for n in lengths])
+        last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0, : self.vocab]
+        first = self._draw(rows, last) if finishing else None
+        for i, row in enumerate(rows):
+            if row.needs_hidden and lengths[i]:
+                row.hidden.append(self._tap.hidden[i, : lengths[i]])
+            row.fed += lengths[i]
+        mx.eval(group.cache.state, [r.hidden[-1:] for r in rows], first)
+        if first is not None:
+            tokens = first.tolist()
+            for i in finishing:
+                self._first_token(rows[i], tokens[i])
+        if all(r.fed == len(r.request.prompt) for r in rows):
+            self._joining = None
+            self._join(group)
 
     def _start_prefill(self, row: _Row) -> None:
+        """The row's cache: what the prompt cache holds of its prompt, or an empty one."""
         row.tic = time.perf_counter()
         ids = row.tokens
         if self.context is not None and len(ids) >= self.context:
@@ -278,44 +346,49 @@ class BatchEngine:
         row.cached, row.states, row.common = entry.reuse, entry.states, entry.common
         if row.needs_hidden:
             if entry.hidden is None or entry.hidden.shape[0] < entry.reuse:
-                row.prefill, row.fed, row.cached = entry.cache, 0, 0  # no hidden states kept
+                row.fed, row.cached = 0, 0  # no hidden states kept: prefill it all again
                 row.prefill.truncate([0])
             else:
                 row.hidden = [entry.hidden[: entry.reuse]]
 
     def _first_token(self, row: _Row, token: int) -> None:
-        """Emit the token drawn after the prompt; the row then joins the batch, or, if that
-        token ended it, goes straight to the prompt cache."""
-        self.waiting.remove(row)
+        """Emit the token drawn after the prompt (it joins the sequence, not yet the cache)."""
         row.stats.cached_tokens = row.cached
         row.stats.prefill_seconds = time.perf_counter() - row.tic
         row.tic = time.perf_counter()
         self._emit(row, [token], 0, 0, None, joined=False)
-        if row.done:
-            if self.row_cache is not None:
-                hidden = mx.concatenate(row.hidden) if row.needs_hidden and row.hidden else None
-                self.row_cache.put(row.tokens, row.prefill, {}, hidden)
-            return
-        self._join(row)
 
-    def _join(self, row: _Row) -> None:
-        """The row's prompt is in its cache: its drafters join, its cache joins the batch."""
-        hidden = None
-        if row.needs_hidden and row.hidden:
-            hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
-            row.hidden = [hidden]
-        for arm in row.arms:
-            name = self.names[arm]
-            self.drafters[name].join(
-                row.id, row.tokens, hidden, row.states.pop(name, None), row.common
-            )
-        row.states = {}
+    def _join(self, group: _Joining) -> None:
+        """Every prompt of the group is in: rows its first token ended (or whose client left)
+        go to the prompt cache; the others' drafters catch up and their caches join the
+        batch."""
+        staying = []
+        for i, row in enumerate(group.rows):
+            if row.done or row.cancelled:
+                if self.row_cache is not None and not row.cancelled:
+                    hidden = mx.concatenate(row.hidden) if row.needs_hidden else None
+                    self.row_cache.put(row.tokens, group.cache.extract(i, self.model), {}, hidden)
+                continue
+            staying.append(i)
+            hidden = None
+            if row.needs_hidden:
+                hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
+                row.hidden = [hidden]
+            for arm in row.arms:
+                name = self.names[arm]
+                self.drafters[name].join(
+                    row.id, row.tokens, hidden, row.states.pop(name, None), row.common
+                )
+            row.states = {}
+        if not staying:
+            return
+        if len(staying) < len(group.rows):
+            group.cache.filter(staying)
         if self.cache is None:
-            self.cache = row.prefill
+            self.cache = group.cache
         else:
-            self.cache.extend(row.prefill)
-        row.prefill = None
-        self.active.append(row)
+            self.cache.extend(group.cache)
+        self.active += [group.rows[i] for i in staying]
 
     # --- decoding --------------------------------------------------------------------------
 
@@ -335,8 +408,12 @@ class BatchEngine:
         plain = not any(k for _, k in choice.rows)
         ids = [r.id for r in rows]
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
-            self._flush()  # the pipeline of plain steps ends here; choose again next step
-            return
+            self._flush()  # the pipeline of plain steps ends here
+            if plain or [r.id for r in self.active] != ids:
+                return  # choose again, for the rows there are now
+            # The rows drafting K as chosen, each as far as it can now that it has one token
+            # more (its budget and lookup moved on).
+            choice = self.policy.replan([self._ask(r) for r in rows], choice)
         if plain:
             self._plain_step(rows, choice)
         else:
@@ -355,12 +432,14 @@ class BatchEngine:
             self._ahead = self._launch(rows, mx.array([r.tokens[-1] for r in rows], mx.uint32))
             if not all(self._pipelinable(r) for r in rows):
                 self._flush(choice)
+            else:  # the pipeline starts: the next settle times one step, not two
+                self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
             return
         ahead = self._launch(rows, self._ahead.tokens)
         self._settle(self._ahead, choice)
         self._ahead = ahead
         if any(r.done for r in rows):
-            self._flush(choice)
+            self._flush()  # not timed: the queued step was half done
 
     @staticmethod
     def _pipelinable(row: _Row) -> bool:
@@ -519,3 +598,18 @@ class BatchEngine:
             self.cache = None
         if self.cache is not None and self.cache.waste() > 0.5:
             self.cache.compact()
+
+
+def token_bytes(model: nn.Module, needs_hidden: bool = False) -> int:
+    """Cache bytes one token takes in `model`'s `BatchCache` (measured on a one-token pass)."""
+    cache = BatchCache(model, 1)
+    cache.begin([1])
+    x = mx.zeros((1, 1), mx.uint32)
+    if needs_hidden:
+        model(x, cache=cache.layers, hidden=mx.zeros((1, 1, target_hidden_size(model))))
+    else:
+        model(x, cache=cache.layers)
+    cache.end([1])
+    mx.eval(cache.state)
+    layers = [layer for layer in cache.layers if layer.keys is not None]
+    return sum((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2] for layer in layers)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -49,6 +50,7 @@ from mlx_spec.tools import (
     template_messages,
 )
 
+import mlx.core as mx
 import mlx.nn as nn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -263,6 +265,9 @@ class ServerConfig:
             step of every other active stream.
         batching: run requests as rows of one continuously batched engine where the target
             and the drafter allow (else each request is a solo stream, advanced in turn).
+        max_kv_bytes: cache memory the batch's rows may reserve (prompt + max_tokens each);
+            more requests wait, and one that alone needs more is refused. None: 40% of the
+            device's memory.
     """
 
     model_id: str = "model"
@@ -278,6 +283,7 @@ class ServerConfig:
     prompt_cache_entries: int = 32
     prefill_step: int = 256
     batching: bool = True
+    max_kv_bytes: int | None = None
 
 
 class _BodyLimit:
@@ -504,7 +510,19 @@ def batch_engine(
         max_draft=config.max_draft,
         prefill_step=config.prefill_step,
         row_cache=RowCache(config.prompt_cache_bytes, config.prompt_cache_entries),
+        max_kv_bytes=config.max_kv_bytes or int(0.4 * device_memory()),
     )
+
+
+def device_memory() -> int:
+    """Bytes of memory the default device has (the machine's RAM for the CPU)."""
+    try:
+        info = mx.device_info()
+        if info.get("memory_size"):
+            return int(info["memory_size"])
+    except (AttributeError, RuntimeError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass

@@ -224,6 +224,38 @@ def test_cancelled_row_leaves_at_once(loaded):
     assert engine.cache.batch == 1 and engine.drafters["draft-model"].rows == [rows[1].id]
 
 
+def test_requests_wait_for_cache_memory(loaded):
+    """Under `max_kv_bytes` room for one request's prompt + max_tokens, three requests run one
+    after another (each equal to its single-stream output); one that alone needs more than the
+    budget fails with a clear error and the engine goes on."""
+    model, tok = loaded["llama"][:2]
+    tok = with_eos(tok)
+    engine = engine_for(model, tok, {})
+    engine.max_kv_bytes = int(1.5 * engine.token_bytes[None] * (4 + 30))
+    requests = [
+        dict(prompt=[1, 5, 6, n], sampling=SamplingConfig(), max_tokens=30) for n in (7, 8, 9)
+    ]
+    peak = 0
+    original = engine._decode
+
+    def watched():
+        nonlocal peak
+        peak = max(peak, len(engine.active))
+        original()
+
+    engine._decode = watched
+    for req, (tokens, _) in zip(requests, run_all(engine, requests), strict=True):
+        assert tokens == mlx_spec.generate(model, tok, req["prompt"], max_tokens=30).tokens
+    assert peak == 1
+    errors = []
+    engine.add(BatchRequest([1, 5, 6], SamplingConfig(), 200, errors.append))
+    while engine.busy:
+        engine.step()
+    assert (
+        len(errors) == 1 and isinstance(errors[0], ValueError) and "MiB of cache" in str(errors[0])
+    )
+
+
 # ------------------------------------------------------------------------------ distribution
 
 

@@ -491,7 +491,8 @@ def test_bad_checkpoint_names_the_problem(gemma, tmp_path, kind):
 
 
 def test_cli_assistant(gemma, tmp_path, capsys):
-    """`generate --assistant DIR` prints plain decoding's tokens; it excludes other drafters."""
+    """`generate --assistant DIR` prints plain decoding's tokens, alone and grouped with n-gram
+    lookup (several drafter flags: chosen between every round)."""
     target_dir = tmp_path / "target"
     config = target_config(TARGET_VOCAB)
     tm.write_checkpoint(target_dir, config, tm.random_weights(config, seed=1, scale=0.5))
@@ -502,5 +503,7 @@ def test_cli_assistant(gemma, tmp_path, capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["tokens"] == plain["tokens"]
     assert record["stats"]["drafter"] == "gemma4-assistant"
-    with pytest.raises(SystemExit):
-        cli.main([*base, "--assistant", str(gemma["copy"][0]), "--ngram"])
+    assert cli.main([*base, "--json", "--assistant", str(gemma["copy"][0]), "--ngram"]) == 0
+    grouped = json.loads(capsys.readouterr().out)
+    assert grouped["tokens"] == plain["tokens"]
+    assert grouped["stats"]["drafter"] == "ngram+gemma4-assistant"

@@ -1,0 +1,174 @@
+"""Continuous batching with and without speculation, engine against engine (no HTTP).
+
+N requests (the openings of the held-out standard-library files, `--prompt-tokens` each) are
+queued at once on mlx-spec's `BatchEngine` and each generates exactly `--max-tokens` tokens
+(EOS off); throughput is all generated tokens over the wall time from queueing to the last
+token (prefill included). Modes: plain decoding, each drafter of the embedded pair with the
+batch policy choosing K every step ("auto"), and all drafters as one group; the peer is
+mlx-lm's own `BatchGenerator` (what `mlx_lm.server` batches with) on the same model object and
+prompts, plain (it has no speculation under batching). After a warm-up, every repeat runs every
+configuration back to back in a rotating order; medians are reported, with each
+configuration's throughput over the peer's at the same N.
+
+Run it on any device MLX has (on a GPU the passes are memory-bound, as on a Mac, and verifying
+a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound already).
+
+Examples:
+    python benchmarks/batch_engine.py                      # N = 1, 4, 8
+    python benchmarks/batch_engine.py --concurrency 8 --temperature 1.0 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
+from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
+from mlx_spec.bench import machine_info
+from mlx_spec.compat import scored_vocab
+from mlx_spec.engine import BatchEngine, BatchRequest
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+
+MODES = ["plain", "ngram", "draft-model", "mtp", "all"]
+
+
+def run_engine(engine: BatchEngine, prompts, max_tokens: int, mode: str, temperature: float):
+    """Queue every prompt, step to the end; returns (tokens generated, seconds, acceptance)."""
+    finals = []
+
+    def emit(item):
+        if isinstance(item, Exception):
+            raise item
+        if item.token is None:
+            finals.append(item.stats)
+
+    drafter = None if mode == "plain" else mode
+    tic = time.perf_counter()
+    for prompt in prompts:
+        engine.add(
+            BatchRequest(
+                prompt, SamplingConfig(temperature=temperature), max_tokens, emit,
+                drafter=drafter, num_draft="auto" if drafter else 0,
+            )
+        )  # fmt: skip
+    while engine.busy:
+        engine.step()
+    seconds = time.perf_counter() - tic
+    drafted = sum(s.drafted for s in finals)
+    accepted = sum(s.accepted for s in finals)
+    return sum(s.generated_tokens for s in finals), seconds, accepted / drafted if drafted else 0.0
+
+
+def run_peer(model, prompts, max_tokens: int, temperature: float):
+    """mlx-lm's BatchGenerator over the same prompts (no stop tokens)."""
+    gen = BatchGenerator(
+        model,
+        max_tokens=max_tokens,
+        stop_tokens=[],
+        sampler=make_sampler(temp=temperature),
+        completion_batch_size=len(prompts),
+        prefill_batch_size=len(prompts),
+    )
+    tic = time.perf_counter()
+    gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * len(prompts))
+    tokens, done = 0, 0
+    while done < len(prompts):
+        for response in gen.next_generated():
+            tokens += 1
+            done += response.finish_reason is not None
+    seconds = time.perf_counter() - tic
+    gen.close()
+    return tokens, seconds, 0.0
+
+
+def configurations(engine, model, batch, args) -> list:
+    """(name, run) for each mode and the peer, each run returning (tokens, seconds, acceptance)."""
+    out = []
+    for mode in args.modes:
+        out.append(
+            (mode, lambda m=mode: run_engine(engine, batch, args.max_tokens, m, args.temperature))
+        )
+    out.append(("mlx-lm", lambda: run_peer(model, batch, args.max_tokens, args.temperature)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    from mlx_spec.embedded import converted_pair, stdlib_files
+
+    target_dir, draft_dir = converted_pair()
+    model, tokenizer = mlx_spec.load(str(target_dir))
+    draft, _ = mlx_spec.load(str(draft_dir))
+    head = mlx_spec.load_mtp_drafter(str(target_dir), model)
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
+    texts = [f.read_text(errors="replace") for f in stdlib_files()[1]]
+    prompts = [tokenizer.encode(t)[: args.prompt_tokens] for t in texts]
+    vocab = scored_vocab(model, tokenizer)
+    drafters = {
+        "ngram": BatchNgram(),
+        "draft-model": BatchDraftModel(draft),
+        "mtp": BatchMTP(head.module),
+    }
+    results = []
+    for n in args.concurrency:
+        batch = [prompts[i % len(prompts)] for i in range(n)]
+        engine = BatchEngine(model, tokenizer, vocab, drafters, max_batch=n, prefill_step=4096)
+        configs = configurations(engine, model, batch, args)
+        runs: dict[str, list] = {name: [] for name, _ in configs}
+        for _, fn in configs:  # warm-up (and the policy's first measurements)
+            fn()
+        for r in range(args.repeats):
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            for name, fn in order:
+                tokens, seconds, acceptance = fn()
+                runs[name].append((tokens / seconds, acceptance))
+        peer = statistics.median(t for t, _ in runs["mlx-lm"])
+        for name, values in runs.items():
+            rate = statistics.median(t for t, _ in values)
+            row = {
+                "concurrency": n, "mode": name, "tokens_per_sec": rate,
+                "over_mlx_lm": rate / peer, "acceptance": statistics.median(a for _, a in values),
+            }  # fmt: skip
+            results.append(row)
+            print(
+                f"N={n:<2} {name:>12}: {rate:7.1f} tok/s  {rate / peer:5.2f}x mlx-lm  "
+                f"acceptance {row['acceptance']:.2f}",
+                flush=True,
+            )
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        **machine_info(),
+        "device": str(mx.default_device()),
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "results": results,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
