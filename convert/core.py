@@ -9,7 +9,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from convert.errors import ConversionError
@@ -180,6 +180,16 @@ def _copy_side_files(source: Path, out: Path) -> None:
         _log("warning: no tokenizer files found in the checkpoint")
 
 
+def _own_version() -> str:
+    """mlx-spec's version, installed or run from a checkout."""
+    try:
+        return version("mlx-spec")
+    except PackageNotFoundError:
+        import mlx_spec
+
+        return mlx_spec.__version__
+
+
 def _provenance(hf_path: str, revision, dtype: str, quant, mtp_dir: str | None) -> dict:
     return {
         "source": hf_path,
@@ -189,7 +199,7 @@ def _provenance(hf_path: str, revision, dtype: str, quant, mtp_dir: str | None) 
         if quant is None
         else {"bits": quant.bits, "group_size": quant.group_size},
         "mtp_drafter": mtp_dir,
-        "converter": f"mlx-spec {version('mlx-spec')}",
+        "converter": f"mlx-spec {_own_version()}",
         "mlx": mx.__version__,
         "mlx_lm": version("mlx-lm"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -24,10 +24,19 @@ import numpy as np
 
 
 @dataclass
-class RowDraft:
-    """One row's drafts: `[k]` ids and the `[k, V]` distributions they were drawn from (None:
-    one-hot)."""
+class DraftBlock:
+    """A drafter's drafts for a step, for its rows at once.
 
+    Attributes:
+        rows: row ids, one per line of the arrays.
+        counts: drafts per row (0: none; a row may get fewer than asked).
+        tokens: `[len(rows), K]` ids (past a row's count: anything).
+        probs: `[len(rows), K, V]` distributions the drafts were drawn from, or None (one-hot:
+            lookup drafts, greedy rows).
+    """
+
+    rows: list[int]
+    counts: list[int]
     tokens: mx.array
     probs: mx.array | None = None
 
@@ -71,8 +80,8 @@ class BatchDrafter:
         ks: dict[int, int],
         configs: dict[int, SamplingConfig],
         randoms: dict[int, RowRandom | None],
-    ) -> dict[int, RowDraft]:
-        """{row: RowDraft} for the rows asked for k > 0 drafts (a row may get fewer)."""
+    ) -> DraftBlock | None:
+        """Drafts for the rows asked for k > 0 (None when there are none)."""
         raise NotImplementedError
 
     def accept(self, row: int, drafted: int, accepted: int, emitted: list[int], hidden) -> None:
@@ -120,13 +129,16 @@ class BatchNgram(BatchDrafter):
         self._found.pop(row, None)
         self._history.pop(row)
 
-    def draft(self, ks, configs, randoms) -> dict[int, RowDraft]:
-        out = {}
-        for row, k in ks.items():
-            found = self._lookup(row, k)
-            if found.size:
-                out[row] = RowDraft(mx.array(found, mx.uint32))
-        return out
+    def draft(self, ks, configs, randoms) -> DraftBlock | None:
+        found = {row: self._lookup(row, k) for row, k in ks.items()}
+        rows = [row for row, f in found.items() if f.size]
+        if not rows:
+            return None
+        width = max(found[row].size for row in rows)
+        tokens = np.zeros((len(rows), width), dtype=np.uint32)
+        for i, row in enumerate(rows):
+            tokens[i, : found[row].size] = found[row]
+        return DraftBlock(rows, [int(found[row].size) for row in rows], mx.array(tokens))
 
     def accept(self, row, drafted, accepted, emitted, hidden) -> None:
         self._history[row] += list(emitted)
@@ -192,10 +204,10 @@ class _ModelDrafter(BatchDrafter):
         self.cache.end(lengths)
         return logits
 
-    def draft(self, ks, configs, randoms) -> dict[int, RowDraft]:
+    def draft(self, ks, configs, randoms) -> DraftBlock | None:
         want = [ks.get(row, 0) if self._pending[row] else 0 for row in self.rows]
         if not any(want):
-            return {}
+            return None
         first = [self._pending[row] if k else [] for row, k in zip(self.rows, want, strict=True)]
         lengths = [len(t) for t in first]
         width = max(lengths)
@@ -220,16 +232,9 @@ class _ModelDrafter(BatchDrafter):
             if self.needs_hidden:  # the module's own output at the drawing position
                 hidden = mx.take_along_axis(self.model.feedback, at[:, None, None], axis=1)
             x, at = token[:, None], mx.zeros_like(at)
-        return self._row_drafts(mx.stack(tokens, axis=1), mx.stack(probs, axis=1), want, configs)
-
-    def _row_drafts(self, tokens, probs, want, configs) -> dict[int, RowDraft]:
-        """`[B, steps]` ids and `[B, steps, V]` distributions, cut per row."""
-        out = {}
-        for i, row in enumerate(self.rows):
-            if want[i]:
-                dist = None if configs[i].greedy else probs[i, : want[i]]
-                out[row] = RowDraft(tokens[i, : want[i]], dist)
-        return out
+        greedy = all(c.greedy for c, k in zip(configs, want, strict=True) if k)
+        dists = None if greedy else mx.stack(probs, axis=1)  # [B, steps, V]
+        return DraftBlock(list(self.rows), want, mx.stack(tokens, axis=1), dists)
 
     def _cut(self, row: int, length: int) -> None:
         lengths = self.cache.lengths

@@ -55,6 +55,7 @@ class _Costs:
         self.decay, self.alpha, self.prior_weight = decay, alpha, prior_weight
         self.plain: dict[int, float] = {}
         self.fits: dict[tuple, list] = {}  # arms -> [x^T x (3x3), x^T y (3)]
+        self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2), until the next step
 
     def plain_seconds(self, rows: int) -> float:
         if rows in self.plain:
@@ -71,6 +72,11 @@ class _Costs:
         return self.plain[near]
 
     def _weights(self, arms: tuple) -> np.ndarray:
+        if arms not in self._solved:
+            self._solved[arms] = self._solve(arms)
+        return self._solved[arms]
+
+    def _solve(self, arms: tuple) -> np.ndarray:
         base = self.plain_seconds(1)
         prior = np.array([0.05, 0.1, 0.1]) * base
         ridge = self.prior_weight * np.diag([1.0, 1.0, 16.0])  # a few one-draft steps of B = 4
@@ -86,6 +92,7 @@ class _Costs:
         return plain + c0 + big_k * (c1 + c2 * rows)
 
     def observe(self, rows: int, big_k: int, arms: tuple, seconds: float) -> None:
+        self._solved.clear()
         if big_k == 0:
             old = self.plain.get(rows)
             self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
@@ -164,25 +171,40 @@ class BatchDraftPolicy:
         arms = tuple(sorted({a for a, k in rows if a is not None and k > 0}))
         return len(rows), big_k, arms
 
-    def _plan(self, asks: list[RowAsk], big_k: int, accept) -> tuple[list, float]:
+    def _plan(self, asks: list[RowAsk], big_k: int, gains) -> tuple[list, float]:
         """Each row's (arm, k) at batch K = big_k, and the tokens the step would emit. A row
         that may use several drafters takes the one with the most tokens per second of a
-        step where it alone drafts."""
-        rows, tokens = [], 0.0
+        step where it alone drafts. `gains[arm][k]`: E(k) of each arm."""
+        rows, tokens, memo = [], 0.0, {}
         for ask in asks:
-            choice, gain, score = (None, 0), 1.0, 0.0
-            target = ask.fixed if ask.fixed is not None else big_k
-            for arm, avail in zip(ask.arms, ask.available, strict=True):
-                k = min(target, ask.limit, self.max_draft if avail is None else avail)
-                if k <= 0:
-                    continue
-                g = expected_tokens(accept[arm], k)
-                s = g / self.costs.seconds(len(asks), k, (arm,)) if len(ask.arms) > 1 else g
-                if choice[0] is None or s > score:
-                    choice, gain, score = (arm, k), g, s
+            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available))
+            if key not in memo:
+                memo[key] = self._row_plan(ask, big_k, gains, len(asks))
+            choice, gain = memo[key]
             rows.append(choice)
             tokens += gain
         return rows, tokens
+
+    def _row_plan(self, ask: RowAsk, big_k: int, gains, batch: int) -> tuple[tuple, float]:
+        choice, gain, score = (None, 0), 1.0, 0.0
+        target = ask.fixed if ask.fixed is not None else big_k
+        for arm, avail in zip(ask.arms, ask.available, strict=True):
+            k = min(target, ask.limit, self.max_draft if avail is None else avail)
+            if k <= 0:
+                continue
+            g = gains[arm][k]
+            s = g / self.costs.seconds(batch, k, (arm,)) if len(ask.arms) > 1 else g
+            if choice[0] is None or s > score:
+                choice, gain, score = (arm, k), g, s
+        return choice, gain
+
+    def _gains(self) -> list[list[float]]:
+        """E(k) for k = 0..max_draft, per arm."""
+        out = []
+        for arm in range(len(self.arms)):
+            acceptance = self.acceptance(arm)
+            out.append([expected_tokens(acceptance, k) for k in range(self.max_draft + 1)])
+        return out
 
     def _rate(self, rows: list[tuple[int | None, int]], tokens: float) -> float:
         return tokens / self.costs.seconds(*self.shape(rows))
@@ -190,7 +212,7 @@ class BatchDraftPolicy:
     # --- choice ------------------------------------------------------------------------------
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
-        accept = [self.acceptance(a) for a in range(len(self.arms))]
+        accept = self._gains()
         plain_rows, plain_tokens = self._plan(asks, 0, accept)
         plain_rate = self._rate(plain_rows, plain_tokens)
         if self._plain_seen < 2 or not any(a.arms for a in asks):
@@ -219,8 +241,7 @@ class BatchDraftPolicy:
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
-        accept = [self.acceptance(a) for a in range(len(self.arms))]
-        return BatchChoice(choice.num_draft, self._plan(asks, choice.num_draft, accept)[0])
+        return BatchChoice(choice.num_draft, self._plan(asks, choice.num_draft, self._gains())[0])
 
     def _next_probe(self, rate: float, plain_rate: float) -> int:
         """Steps before the next probe: twice the last interval, at least enough that a

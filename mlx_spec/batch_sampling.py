@@ -146,37 +146,6 @@ def greedy_batch_verify(
     return num_accepted, nxt
 
 
-# --- a step's arrays, row by row (a row's drafts: `.tokens` `[k]`, `.probs` `[k, V]` or None)
-
-
-def step_inputs(last: int, draft, k: int) -> mx.array:
-    """`[1 + K]` ids a row feeds the verification pass: its pending token, its drafts, pads."""
-    parts = [mx.array([last], mx.uint32)]
-    n = 0 if draft is None else draft.tokens.shape[0]
-    if n:
-        parts.append(draft.tokens.astype(mx.uint32))
-    if k > n:
-        parts.append(mx.zeros((k - n,), mx.uint32))
-    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
-
-
-def padded_drafts(draft, k: int) -> mx.array:
-    """`[K]` draft ids of a row, zeros past its own."""
-    return step_inputs(0, draft, k)[1:]
-
-
-def draft_dists(draft, k: int, vocab: int) -> mx.array:
-    """`[K, V]` distributions of a row's drafts (one-hot where it has none; zeros as pads)."""
-    n = 0 if draft is None else draft.tokens.shape[0]
-    if not n:
-        return mx.zeros((k, vocab))
-    probs = draft.probs
-    if probs is None:
-        probs = (mx.arange(vocab)[None] == draft.tokens[:, None]).astype(mx.float32)
-    probs = probs[:, :vocab]
-    return mx.concatenate([probs, mx.zeros((k - n, vocab))]) if k > n else probs
-
-
 def row_uniforms(random: RowRandom | None, n: int, k: int) -> mx.array:
     """`[K]`: n uniforms from the row's own stream (one per draft it has), zeros after."""
     if random is None or n == 0:

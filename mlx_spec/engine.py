@@ -26,19 +26,16 @@ from dataclasses import dataclass, field
 
 from mlx_spec.api import OutputCutter
 from mlx_spec.batch_cache import BatchCache
-from mlx_spec.batch_drafters import BatchDrafter, RowDraft
+from mlx_spec.batch_drafters import BatchDrafter, DraftBlock
 from mlx_spec.batch_policy import BatchDraftPolicy, RowAsk
 from mlx_spec.batch_sampling import (
     RowRandom,
     batch_probs,
     batch_verify,
-    draft_dists,
     draw,
     greedy_batch_verify,
     gumbel,
-    padded_drafts,
     row_uniforms,
-    step_inputs,
 )
 from mlx_spec.decode import Round
 from mlx_spec.hidden import tap_hidden
@@ -495,23 +492,24 @@ class BatchEngine:
 
     def _speculative_step(self, rows: list[_Row], choice) -> None:
         tic = time.perf_counter()
-        drafts = self._draft(rows, choice.rows)
-        k = max((d.tokens.shape[0] for d in drafts.values()), default=0)
-        counts = [0 if r.id not in drafts else drafts[r.id].tokens.shape[0] for r in rows]
+        tokens, probs, counts = self._draft(rows, choice.rows)
+        k = 0 if tokens is None else tokens.shape[1]
         lengths = [1 + n for n in counts]
-        x = mx.stack([step_inputs(r.tokens[-1], drafts.get(r.id), k) for r in rows])  # [B, 1+K]
+        x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
+        if k:
+            x = mx.concatenate([x, tokens], axis=1)  # [B, 1 + K], pads past each row's drafts
         self.cache.begin(lengths)
         logits = self.model(x, cache=self.cache.layers)[..., : self.vocab]  # [B, 1 + K, V]
         self.cache.end(lengths)
         hidden = self._tap.hidden if self._tap is not None else None
-        accepted, nxt = self._verify(rows, drafts, logits, counts, k)
-        mx.eval(accepted, nxt)
-        accepted, nxt = accepted.tolist(), nxt.tolist()
+        accepted, nxt = self._verify(rows, tokens, probs, logits, counts)
+        mx.eval(accepted, nxt, x)
+        accepted, nxt, fed = accepted.tolist(), nxt.tolist(), x.tolist()
         targets = self.cache.lengths
         outcomes = []
         for i, row in enumerate(rows):
-            n, draft = accepted[i], drafts.get(row.id)
-            emitted = (draft.tokens[:n].tolist() if n else []) + [nxt[i]]
+            n = accepted[i]
+            emitted = fed[i][1 : 1 + n] + [nxt[i]]
             rows_hidden = None if hidden is None else hidden[i, : n + 1]
             keep = self._emit(row, emitted, counts[i], n, rows_hidden)
             targets[i] += keep - (1 + counts[i])  # the pass fed last + drafts; keep `keep`
@@ -520,36 +518,57 @@ class BatchEngine:
         self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic)
         self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
 
-    def _draft(self, rows: list[_Row], plan) -> dict[int, RowDraft]:
+    def _draft(self, rows: list[_Row], plan):
+        """The step's drafts: `[B, K]` ids, `[B, K, V]` distributions (None: every draft
+        one-hot) and drafts per row, gathered from each drafter's block."""
         per_drafter: dict[int, dict[int, int]] = {}
         for row, (arm, k) in zip(rows, plan, strict=True):
             if arm is not None and k > 0:
                 per_drafter.setdefault(arm, {})[row.id] = k
         configs = {r.id: r.request.sampling for r in rows}
         randoms = {r.id: r.random for r in rows}
-        drafts: dict[int, RowDraft] = {}
-        self._arm_of: dict[int, int] = {}
+        index = {r.id: i for i, r in enumerate(rows)}
+        blocks, counts, self._arm_of = [], [0] * len(rows), {}
         for arm, ks in per_drafter.items():
-            got = self.drafters[self.names[arm]].draft(ks, configs, randoms)
-            drafts.update(got)
-            self._arm_of.update({row: arm for row in got})
-        return drafts
+            block = self.drafters[self.names[arm]].draft(ks, configs, randoms)
+            if block is None:
+                continue
+            blocks.append(block)
+            for row, n in zip(block.rows, block.counts, strict=True):
+                if n:
+                    counts[index[row]], self._arm_of[row] = n, arm
+        k = max(counts)
+        if not k:
+            return None, None, counts
+        line = [0] * len(rows)  # each row's line in the blocks stacked below a line of pads
+        first = 1
+        for block in blocks:
+            for j, (row, n) in enumerate(zip(block.rows, block.counts, strict=True)):
+                if n:
+                    line[index[row]] = first + j
+            first += len(block.rows)
+        order = mx.array(line)
+        pads = [mx.zeros((1, k), mx.uint32)]
+        tokens = mx.concatenate(pads + [_widen(b.tokens.astype(mx.uint32), k) for b in blocks])
+        probs = None
+        if any(b.probs is not None for b in blocks):
+            dists = [_widen(_dists(b, self.vocab), k) for b in blocks]
+            probs = mx.concatenate([mx.zeros((1, k, self.vocab))] + dists)[order]
+        return tokens[order], probs, counts
 
-    def _verify(self, rows, drafts, logits, counts, k):
+    def _verify(self, rows, tokens, probs, logits, counts):
         num = mx.array(counts, mx.int32)
-        tokens = mx.stack([padded_drafts(drafts.get(r.id), k) for r in rows])  # [B, K]
+        if tokens is None:
+            tokens = mx.zeros((len(rows), 0), mx.uint32)
         if all(r.request.sampling.greedy for r in rows):
             return greedy_batch_verify(logits, tokens, num)
-        vocab = logits.shape[-1]
+        k, vocab = tokens.shape[1], logits.shape[-1]
         target = batch_probs(logits, [r.request.sampling for r in rows])  # [B, K + 1, V]
-        draft_probs = None
-        if any(d.probs is not None for d in drafts.values()):
-            draft_probs = mx.stack([draft_dists(drafts.get(r.id), k, vocab) for r in rows])
         # Each row draws as many uniforms as it has drafts: its stream never depends on the
         # other rows.
         u = mx.stack([row_uniforms(r.random, n, k) for r, n in zip(rows, counts, strict=True)])
         noise = gumbel([r.random for r in rows], (vocab,))
-        return batch_verify(target, draft_probs, tokens, num, u, noise)
+        return batch_verify(target, probs, tokens, num, u, noise)
 
     def _emit(
         self, row: _Row, emitted: list[int], drafted: int, accepted: int, hidden, joined=True
@@ -613,3 +632,18 @@ def token_bytes(model: nn.Module, needs_hidden: bool = False) -> int:
     mx.eval(cache.state)
     layers = [layer for layer in cache.layers if layer.keys is not None]
     return sum((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2] for layer in layers)
+
+
+def _widen(a: mx.array, k: int) -> mx.array:
+    """`[n, K_a, ...]` padded with zeros to `[n, k, ...]` along its second axis."""
+    if a.shape[1] >= k:
+        return a[:, :k]
+    pad = mx.zeros((a.shape[0], k - a.shape[1], *a.shape[2:]), a.dtype)
+    return mx.concatenate([a, pad], axis=1)
+
+
+def _dists(block: DraftBlock, vocab: int) -> mx.array:
+    """`[n, K, V]` distributions of a block's drafts (one-hot where it has none)."""
+    if block.probs is not None:
+        return block.probs[..., :vocab]
+    return (mx.arange(vocab) == block.tokens[..., None]).astype(mx.float32)
