@@ -53,13 +53,14 @@ def summary(report: dict) -> str:
                 cells += ["", "", "", "", ""]
             else:
                 ratio = auto.get("vs_best_fixed_k")
+                first = auto["acceptance_by_position"][:1]  # empty: auto never drafted
                 total = sum(auto["k_histogram"].values()) or 1
                 shares = " ".join(f"{k}:{n / total:.0%}" for k, n in auto["k_histogram"].items())
                 cells += [
                     f"{auto['tokens_per_sec']:.1f}",
                     f"**{auto['speedup']:.2f}x**",
                     "-" if ratio is None else f"{ratio:.2f}",
-                    f"{auto['acceptance_by_position'][0]:.2f}",
+                    f"{first[0]:.2f}" if first else "-",
                     shares,
                 ]
             lines.append("| " + " | ".join(cells) + " |")

@@ -3,10 +3,12 @@
 `BatchEngine` owns the rows (one per request: its tokens, sampling settings, random stream,
 output cutter and stats) and their caches: one `BatchCache` for the target over every active
 row, and one per model drafter over the rows that draft with it. `step()` does one unit of
-work: a chunk of the prompt of a request that is joining (prefilled alone, then merged into
-the batch) and one decoding step of the batch:
+work: a chunk of the prompts of the requests that are joining (prefilled together; each
+one's first token is drawn from its prefill and emitted at once; then they join the batch)
+and one decoding step of the batch:
 
-1. the policy chooses K (and each row's drafter and k);
+1. the policy chooses K (and each row's drafter and k); K = 0 is a plain step, pipelined:
+   the next pass is queued before the last is read;
 2. the drafters draft (model drafters batched over their rows, n-gram lookup per row);
 3. one target pass over `[last] + drafts` of every row, right-padded to K + 1;
 4. each row is verified (exact match when greedy, rejection sampling otherwise) and its caches
@@ -85,7 +87,6 @@ class _Ahead:
     ids: list[int]
     tokens: mx.array
     hidden: mx.array | None
-    tic: float
 
 
 @dataclass
@@ -106,8 +107,8 @@ class _Row:
     arms: list[int]  # indices of the drafters it may use
     random: RowRandom | None
     needs_hidden: bool = False  # one of its drafters reads the target's hidden states
-    prefill: BatchCache | None = None  # while joining: its own cache, being prefilled
-    fed: int = 0  # prompt tokens in `prefill` so far
+    prefill: BatchCache | None = None  # before its group forms: what the prompt cache had
+    fed: int = 0  # prompt tokens in its cache so far
     cached: int = 0  # prompt tokens that came from the prompt cache
     states: dict = field(default_factory=dict)  # drafter states from the prompt cache
     common: int = 0  # tokens shared with those states' sequence
@@ -453,7 +454,7 @@ class BatchEngine:
         hidden = self._tap.hidden[:, 0] if self._tap is not None else None
         nxt = self._draw(rows, logits)
         mx.async_eval(nxt)
-        return _Ahead([r.id for r in rows], nxt, hidden, time.perf_counter())
+        return _Ahead([r.id for r in rows], nxt, hidden)
 
     def _draw(self, rows: list[_Row], logits: mx.array) -> mx.array:
         """`[B]` next tokens from `[B, V]` logits, each row with its settings and stream."""

@@ -17,26 +17,20 @@ from dataclasses import dataclass
 from mlx_spec.session import Session, common_prefix
 
 
-@dataclass
-class _Entry:
-    key: Hashable
-    session: Session
-    nbytes: int
-
-
-class PromptCache:
-    """Idle sessions, least recently used first out.
+class _LRU:
+    """Entries (each with `nbytes`), least recently used first out beyond `max_bytes` or
+    `max_entries`; hit/miss counters for `/health`.
 
     Args:
-        max_bytes: the most bytes the idle entries' caches may hold (0 disables the cache).
-        max_entries: the most idle entries.
+        max_bytes: the most bytes the entries may hold (0 disables the cache).
+        max_entries: the most entries.
     """
 
     def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 32):
         if max_bytes < 0 or max_entries < 0:
             raise ValueError("max_bytes and max_entries must be >= 0")
         self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._entries: list[_Entry] = []  # least recently used first
+        self._entries: list = []  # least recently used first
         self.counts = {"hits": 0, "misses": 0, "reused_tokens": 0, "evicted": 0}
 
     def __len__(self) -> int:
@@ -49,6 +43,37 @@ class PromptCache:
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0 and self.max_entries > 0
+
+    def _add(self, entry) -> None:
+        """Keep an entry (most recently used), then evict down to the limits."""
+        self._entries.append(entry)
+        total = self.nbytes
+        while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):
+            total -= self._entries.pop(0).nbytes
+            self.counts["evicted"] += 1
+
+    def _taken(self, entry, reuse: int) -> None:
+        self._entries.remove(entry)
+        self.counts["hits"] += 1
+        self.counts["reused_tokens"] += reuse
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def status(self) -> dict:
+        """Entries, bytes and counters, for `/health`."""
+        return {"entries": len(self), "bytes": self.nbytes, **self.counts}
+
+
+@dataclass
+class _Entry:
+    key: Hashable
+    session: Session
+    nbytes: int
+
+
+class PromptCache(_LRU):
+    """Idle sessions (solo streams), least recently used first out."""
 
     def take(
         self, key: Hashable, prompt_ids: Sequence[int], make: Callable[[], Session]
@@ -65,28 +90,13 @@ class PromptCache:
         if best is None:
             self.counts["misses"] += 1
             return make()
-        self._entries.remove(best)
-        self.counts["hits"] += 1
-        self.counts["reused_tokens"] += best_reuse
+        self._taken(best, best_reuse)
         return best.session
 
     def put(self, key: Hashable, session: Session) -> None:
-        """Keep a finished session (most recently used), then evict down to the limits. A
-        session whose last turn failed midway is dropped."""
-        if not self.enabled or not session.settled or not session.cached_tokens:
-            return
-        self._entries.append(_Entry(key, session, session.nbytes))
-        total = self.nbytes
-        while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):
-            total -= self._entries.pop(0).nbytes
-            self.counts["evicted"] += 1
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def status(self) -> dict:
-        """Entries, bytes and counters, for `/health`."""
-        return {"entries": len(self), "bytes": self.nbytes, **self.counts}
+        """Keep a finished session. A session whose last turn failed midway is dropped."""
+        if self.enabled and session.settled and session.cached_tokens:
+            self._add(_Entry(key, session, session.nbytes))
 
 
 def parse_bytes(text: str) -> int:
@@ -128,38 +138,15 @@ class _RowItem:
     nbytes: int
 
 
-class RowCache:
+class RowCache(_LRU):
     """The prompt cache of the batching engine: finished rows' caches (the target's one-row
-    `BatchCache`, the drafters' states), least recently used first out.
-
-    Args:
-        max_bytes: the most bytes the entries may hold (0 disables the cache).
-        max_entries: the most entries.
-    """
-
-    def __init__(self, max_bytes: int = 2 << 30, max_entries: int = 32):
-        if max_bytes < 0 or max_entries < 0:
-            raise ValueError("max_bytes and max_entries must be >= 0")
-        self.max_bytes, self.max_entries = max_bytes, max_entries
-        self._items: list[_RowItem] = []
-        self.counts = {"hits": 0, "misses": 0, "reused_tokens": 0, "evicted": 0}
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_bytes > 0 and self.max_entries > 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(item.nbytes for item in self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
+    `BatchCache`, the drafters' states), least recently used first out."""
 
     def take(self, prompt_ids: Sequence[int]) -> RowEntry | None:
         """The entry that saves `prompt_ids` the most prefill, removed from the cache and cut
         back to what the prompt shares (its last token is always prefilled anew), or None."""
         best, best_reuse, best_common = None, 0, 0
-        for item in self._items:
+        for item in self._entries:
             common = common_prefix(item.tokens, prompt_ids)
             reuse = min(common, len(prompt_ids) - 1, item.cache.lengths[0])
             if reuse > best_reuse and item.cache.can_truncate(reuse):
@@ -167,26 +154,14 @@ class RowCache:
         if best is None:
             self.counts["misses"] += 1
             return None
-        self._items.remove(best)
+        self._taken(best, best_reuse)
         best.cache.truncate([best_reuse])
-        self.counts["hits"] += 1
-        self.counts["reused_tokens"] += best_reuse
         return RowEntry(best.cache, best_reuse, best.states, best_common, best.hidden)
 
     def put(self, tokens: list[int], cache, states: dict, hidden=None) -> None:
-        """Keep a finished row (most recently used), then evict down to the limits."""
+        """Keep a finished row's caches."""
         if not self.enabled or not cache.lengths[0]:
             return
         nbytes = cache.nbytes + sum(getattr(s, "nbytes", 0) for s in states.values() if s)
         nbytes += 0 if hidden is None else hidden.nbytes
-        self._items.append(_RowItem(list(tokens), cache, states, hidden, nbytes))
-        total = self.nbytes
-        while self._items and (total > self.max_bytes or len(self._items) > self.max_entries):
-            total -= self._items.pop(0).nbytes
-            self.counts["evicted"] += 1
-
-    def clear(self) -> None:
-        self._items.clear()
-
-    def status(self) -> dict:
-        return {"entries": len(self), "bytes": self.nbytes, **self.counts}
+        self._add(_RowItem(list(tokens), cache, states, hidden, nbytes))

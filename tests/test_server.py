@@ -176,14 +176,21 @@ def test_models_and_health(client, url):
 # ------------------------------------------------------------------------------ concurrency
 
 
-def test_eight_concurrent_streams(target, url):
-    """8 streaming clients at once against max_concurrent=4: every stream completes without
-    error and carries exactly its own greedy text; four were advanced together."""
+@pytest.mark.parametrize(
+    "speculative",
+    [None, {"drafter": "ngram", "num_draft": 3}, {"drafter": "draft-model"}, {"drafter": "all"}],
+    ids=["default", "ngram-k3", "draft-model-auto", "all-auto"],
+)
+def test_eight_concurrent_streams(target, url, speculative):
+    """8 streaming clients at once against max_concurrent=4, with speculation on: every stream
+    completes without error and carries exactly its own single-stream greedy text; four rows
+    were batched together."""
     prompts = ["abc", "mad", "pop", "olio", "lame", "ink", "fog", "nap"]
+    extra = {} if speculative is None else {"extra_body": {"speculative": speculative}}
 
     async def one(c, prompt):
         stream = await c.completions.create(
-            model=MODEL_ID, prompt=prompt, temperature=0, max_tokens=40, stream=True
+            model=MODEL_ID, prompt=prompt, temperature=0, max_tokens=40, stream=True, **extra
         )
         return "".join([chunk.choices[0].text async for chunk in stream])
 
@@ -197,6 +204,7 @@ def test_eight_concurrent_streams(target, url):
     after = health(url)
     assert after["completed"] - before["completed"] == 8
     assert after["failed"] == before["failed"] and after["peak_active"] == 4
+    assert after["batching"] is True
 
 
 def test_disconnect_mid_stream_frees_the_work(url):
