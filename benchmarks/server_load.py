@@ -16,9 +16,12 @@ to back (different prompts, greedy, up to `--max-tokens` tokens each), and the s
 After the load rows of each mode comes one conversation (`--turns`, default 4): each turn's
 prompt is the previous prompt + its reply + `--turn-tokens` new tokens of held-out text, and
 its time to first token is reported with the prompt tokens the server took from its prompt
-cache. The same rows and conversation are then measured on `mlx_lm.server` (skip with
-`--no-peer`), on a float32 copy of the model, and each mode's throughput is printed over the
-peer's at every N.
+cache. The same rows and conversation are measured on `mlx_lm.server` (skip with
+`--no-peer`), on a float32 copy of the model. Both servers run at once, and every repeat
+(`--repeats`, default 3) runs each N for every mode and the peer back to back, in an order
+rotated per repeat, so a change in the machine's load falls on all of them alike; the rows
+are the medians over the repeats, and each mode's throughput is printed over the peer's at
+every N.
 
 By default it serves the embedded demo pair (its target and draft model; prompts are the
 openings of the held-out standard-library files). `--random` builds two random llama
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -259,28 +263,49 @@ async def run_conversation(url: str, body: dict, turns: list[str]) -> list[dict]
     return rows
 
 
-def measure(url: str, label: str, body: dict, args, turns: list[str]) -> list[dict]:
-    """The load rows (every N) and the conversation row of one server and mode."""
+def warm_up(url: str, body: dict) -> None:
+    asyncio.run(run_load(url, 1, 1, {**body, "max_tokens": 8}))
+
+
+def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
+    """The load rows of every (label, url, body) at every N: each repeat runs them all back to
+    back in a rotated order; the medians over the repeats, each field on its own."""
+    for _, url, body in configs:
+        warm_up(url, body)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for n in args.concurrency:
+            shift = repeat % len(configs)
+            for label, url, body in configs[shift:] + configs[:shift]:
+                row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body))}
+                runs.setdefault((label, n), []).append(row)
+                print(f"[{repeat + 1}/{args.repeats}] " + _format(row), flush=True)
     rows = []
-    asyncio.run(run_load(url, 1, 1, {**body, "max_tokens": 8}))  # warm-up
-    for n in args.concurrency:
-        row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body))}
+    for (label, n), group in runs.items():
+        row = {"mode": label, "concurrency": n, "repeats": len(group)}
+        for key, value in group[0].items():
+            if key in ("requests", "completion_tokens"):
+                row[key] = value
+            elif key == "errors":
+                row[key] = sum(r[key] for r in group)
+            elif isinstance(value, (int, float)) and key not in row:
+                row[key] = statistics.median(r[key] for r in group)
         rows.append(row)
-        print(_format(row), flush=True)
-    if turns:
-        conversation = asyncio.run(run_conversation(url, body, turns))
-        row = {"mode": label, "conversation": conversation}
-        rows.append(row)
-        print(
-            f"{label:>12} conversation: TTFT by turn "
-            + " -> ".join(f"{t['ttft_ms']:.0f}" for t in conversation)
-            + " ms; prompt tokens "
-            + " -> ".join(str(t["prompt_tokens"]) for t in conversation)
-            + "; cached "
-            + " -> ".join(str(t["cached_tokens"]) for t in conversation),
-            flush=True,
-        )
-    return rows
+    return sorted(rows, key=lambda r: ([c[0] for c in configs].index(r["mode"]), r["concurrency"]))
+
+
+def measure_conversation(label: str, url: str, body: dict, turns: list[str]) -> dict:
+    conversation = asyncio.run(run_conversation(url, body, turns))
+    print(
+        f"{label:>13} conversation: TTFT by turn "
+        + " -> ".join(f"{t['ttft_ms']:.0f}" for t in conversation)
+        + " ms; prompt tokens "
+        + " -> ".join(str(t["prompt_tokens"]) for t in conversation)
+        + "; cached "
+        + " -> ".join(str(t["cached_tokens"]) for t in conversation),
+        flush=True,
+    )
+    return {"mode": label, "conversation": conversation}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp", help="MTP drafter directory (default: MODEL/mtp when it exists)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     p.add_argument("--num-draft", default="auto", help="k or auto (default auto)")
     p.add_argument(
@@ -307,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
-        args.concurrency, args.requests, args.max_tokens = [1, 4], 1, 32
+        args.concurrency, args.requests, args.max_tokens, args.repeats = [1, 4], 1, 32, 1
     num_draft = args.num_draft if args.num_draft == "auto" else int(args.num_draft)
 
     built = args.model is None and args.random
@@ -331,18 +357,24 @@ def main(argv: list[str] | None = None) -> int:
             "model": "bench", "max_tokens": args.max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
         }  # fmt: skip
-        rows = []
-        with spec_server(args, slots) as url:
+        with contextlib.ExitStack() as stack:
+            url = stack.enter_context(spec_server(args, slots))
+            configs = []
             for mode in args.modes:
                 speculative = (
                     {"enabled": False} if mode == "none" else {"drafter": mode, "enabled": True}
                 )
-                rows += measure(url, mode, {**body, "speculative": speculative}, args, turns)
-        if not args.no_peer:
-            peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
-            with peer_server(peer_dir) as url:
-                peer_body = {**body, "model": "default_model"}
-                rows += measure(url, "mlx_lm.server", peer_body, args, turns)
+                configs.append((mode, url, {**body, "speculative": speculative}))
+            if not args.no_peer:
+                peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
+                peer_url = stack.enter_context(peer_server(peer_dir))
+                configs.append(("mlx_lm.server", peer_url, {**body, "model": "default_model"}))
+            rows = measure_loads(configs, args)
+            print("medians over the repeats:", flush=True)
+            for row in rows:
+                print(_format(row), flush=True)
+            if turns:
+                rows += [measure_conversation(*config, turns) for config in configs]
     if not args.no_peer:
         print(_versus(rows), flush=True)
 
@@ -353,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"random llama {json.dumps(SHAPE)}" if built else Path(args.model).name,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,
+        "repeats": args.repeats,
         "max_concurrent": slots,
         "num_draft": num_draft,
         "results": rows,
@@ -378,7 +411,7 @@ def _versus(rows: list[dict]) -> str:
 
 def _format(row: dict) -> str:
     return (
-        f"{row['mode']:>12} N={row['concurrency']:<2} {row['requests']:>3} requests "
+        f"{row['mode']:>13} N={row['concurrency']:<2} {row['requests']:>3} requests "
         f"{row['completion_tokens']:>5} tokens  throughput {row['throughput_tokens_per_sec']:7.1f}"
         f" tok/s  per stream {row['per_stream_tokens_per_sec']:6.1f} tok/s  latency p50 "
         f"{row['latency_p50_s']:.2f}s p95 {row['latency_p95_s']:.2f}s  TTFT p50 "
