@@ -331,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--summary", metavar="JSON", help="print a results file as markdown tables")
     args = p.parse_args(argv)
+    if args.summary:
+        print(summary(json.loads(Path(args.summary).read_text())))
+        return 0
     if args.quick:
         args.concurrency, args.requests, args.max_tokens, args.repeats = [1, 4], 1, 32, 1
     num_draft = args.num_draft if args.num_draft == "auto" else int(args.num_draft)
@@ -406,6 +410,52 @@ def _versus(rows: list[dict]) -> str:
             base = peer[r["concurrency"]]["throughput_tokens_per_sec"]
             ratio = r["throughput_tokens_per_sec"] / base if base else float("nan")
             lines.append(f"  {r['mode']:>12} N={r['concurrency']}: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def summary(record: dict) -> str:
+    """Markdown tables of a results file: the load rows against the peer, the conversations."""
+    rows = record["results"]
+    peer = {
+        r["concurrency"]: r["throughput_tokens_per_sec"]
+        for r in rows
+        if r["mode"] == "mlx_lm.server" and "concurrency" in r
+    }
+    lines = [
+        "| mode | N | throughput (tokens/s) | over mlx_lm.server | per stream (tokens/s) "
+        "| latency p50 / p95 (s) | time to first token p50 / p95 (ms) | acceptance |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "concurrency" not in r:
+            continue
+        base = peer.get(r["concurrency"])
+        versus = f"{r['throughput_tokens_per_sec'] / base:.2f}x" if base else "-"
+        plain = r["mode"] in ("none", "mlx_lm.server")
+        accept = "-" if plain else f"{r['acceptance_rate']:.2f}"
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['throughput_tokens_per_sec']:.1f} | {versus} "
+            f"| {r['per_stream_tokens_per_sec']:.1f} | {r['latency_p50_s']:.2f} / "
+            f"{r['latency_p95_s']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} "
+            f"| {accept} |"
+        )
+    talks = [r for r in rows if "conversation" in r]
+    if talks:
+        turns = talks[0]["conversation"]
+        lines += [
+            "",
+            "| server, mode | " + " | ".join(f"turn {t['turn']}" for t in turns) + " |",
+            "| --- |" + " ---: |" * len(turns),
+            "| prompt tokens (cached) | "
+            + " | ".join(f"{t['prompt_tokens']} ({t['cached_tokens']})" for t in turns)
+            + " |",
+        ]
+        for r in talks:
+            lines.append(
+                f"| {r['mode']}: time to first token (ms) | "
+                + " | ".join(f"{t['ttft_ms']:.0f}" for t in r["conversation"])
+                + " |"
+            )
     return "\n".join(lines)
 
 
