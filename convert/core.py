@@ -16,6 +16,7 @@ from convert.errors import ConversionError
 from convert.fetch import resolve_source
 from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
 from convert.mtp_build import build_mtp_module
+from convert.normalize import normalize_config
 from convert.safetensors_check import list_tensors
 from mlx_spec.compat import copy_tokenizer_files
 from mlx_spec.drafters.mtp import save_mtp_drafter
@@ -86,6 +87,10 @@ def _model_classes(config: dict):
         raise ConversionError(
             f"unknown architecture {config['model_type']!r}: mlx-lm has no model for it"
         ) from exc
+    except (ImportError, SystemExit) as exc:  # mlx-lm's module needs a package that is missing
+        raise ConversionError(
+            f"mlx-lm's {config['model_type']} model cannot be imported here ({exc})"
+        ) from exc
 
 
 def _check_loadable(config: dict) -> None:
@@ -103,10 +108,9 @@ def build_target(config: dict, weights: dict[str, mx.array]) -> nn.Module:
     model_cls, args_cls = _model_classes(config)
     try:
         model = model_cls(args_cls.from_dict(config))
-    except (TypeError, KeyError, ValueError) as exc:
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
         raise ConversionError(f"config.json does not fit {config['model_type']}: {exc}") from exc
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+    weights = _sanitized(model, weights)
     expected = dict(tree_flatten(model.parameters()))
     unknown = sorted(set(weights) - set(expected))
     if unknown:
@@ -123,6 +127,28 @@ def build_target(config: dict, weights: dict[str, mx.array]) -> nn.Module:
             )
     model.load_weights(list(weights.items()), strict=True)
     return model
+
+
+def _sanitized(model: nn.Module, weights: dict) -> dict:
+    """The model's own renaming of `weights`; where names are left over, the same with the
+    transformers base-model prefix (e.g. `transformer.`) removed, if that makes them fit: mlx-lm
+    models written against base-model checkpoints do not know the prefix a causal-LM class adds."""
+    sanitize = getattr(model, "sanitize", None)
+    out = sanitize(dict(weights)) if sanitize else weights
+    if set(out) <= _names(model):  # (sanitize may drop parameters, e.g. an untied head)
+        return out
+    heads = {name.split(".", 1)[0] for name in weights if "." in name}
+    for prefix in sorted(heads - {"model", "lm_head"}):
+        cut = len(prefix) + 1
+        stripped = {k[cut:] if k.startswith(prefix + ".") else k: v for k, v in weights.items()}
+        retry = sanitize(dict(stripped)) if sanitize else stripped
+        if set(retry) <= _names(model):
+            return retry
+    return out
+
+
+def _names(model: nn.Module) -> set[str]:
+    return {name for name, _ in tree_flatten(model.parameters())}
 
 
 def _cast(model: nn.Module, dtype) -> None:
@@ -231,7 +257,8 @@ def convert_checkpoint(
     if dest.exists() and not force:
         raise ConversionError(f"{dest}: already exists (use --force to replace it)")
     source, resolved_revision = resolve_source(hf_path, revision)
-    config = normalize_config(_read_config(source))
+    original = _read_config(source)
+    config = normalize_config(original)
     _check_loadable(config)
     chosen = _pick_dtype(dtype, config)
     built = _build(source, config, getattr(mx, chosen), quantization)
@@ -251,6 +278,7 @@ def convert_checkpoint(
             quantization,
             MTP_DIR if built.mtp else None,
         )
+        provenance["source_config"] = original  # config.json as the checkpoint had it
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
     return ConversionResult(dest, dest / MTP_DIR if built.mtp else None)
 
@@ -300,50 +328,6 @@ def _quantize(built: _Built, quant: Quantization) -> None:
             built.mtp_module, {}, quant.group_size, quant.bits, quant_predicate=predicate
         )
         built.mtp_quantization = mtp_config["quantization"]
-
-
-def normalize_config(config: dict) -> dict:
-    """Fill the keys mlx-lm reads from the forms newer transformers versions write."""
-    config = dict(config)
-    if config.get("model_type") == "qwen3_5_text":
-        config["model_type"] = "qwen3_5"  # mlx-lm's qwen3_5 takes a flat text config too
-    for part in (config, config.get("text_config")):
-        if isinstance(part, dict):
-            _normalize_rope(part)
-            _normalize_sliding_pattern(part)
-    return config
-
-
-def _normalize_rope(cfg: dict) -> None:
-    params = cfg.get("rope_parameters")
-    if not isinstance(params, dict):
-        return
-    if "full_attention" in params:  # gemma3: one entry per attention type
-        sliding = params.get("sliding_attention") or {}
-        if "rope_theta" in sliding:
-            cfg.setdefault("rope_local_base_freq", sliding["rope_theta"])
-        params = params["full_attention"] or {}
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if params.get(key) is not None:
-            cfg.setdefault(key, params[key])
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default" and not cfg.get("rope_scaling"):
-        cfg["rope_scaling"] = {**params, "type": rope_type}
-    cfg.setdefault("rope_scaling", None)  # some mlx-lm models require the key
-
-
-def _normalize_sliding_pattern(cfg: dict) -> None:
-    types = cfg.get("layer_types")
-    if (
-        "sliding_window_pattern" in cfg
-        or not isinstance(types, list)
-        or "gemma" not in str(cfg.get("model_type"))
-    ):
-        return
-    if cfg.get("_sliding_window_pattern"):
-        cfg["sliding_window_pattern"] = cfg["_sliding_window_pattern"]
-    elif "full_attention" in types:
-        cfg["sliding_window_pattern"] = types.index("full_attention") + 1
 
 
 def _without_remote_code(config: dict) -> dict:

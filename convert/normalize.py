@@ -1,0 +1,310 @@
+"""config.json as transformers writes it -> the keys mlx-lm's `ModelArgs` reads.
+
+transformers renames and restructures config keys between versions (`rope_parameters` instead of
+`rope_theta`, `layer_types` instead of a sliding-window pattern, `num_local_experts` instead of
+`num_experts`, `n_positions` instead of `n_ctx`, ...), while each mlx-lm model reads the keys of
+the checkpoints it was written against. A key mlx-lm requires but cannot find refuses the model; a
+key it has a default for is worse: the default is used silently. So every field of the family's
+`ModelArgs` that the config lacks is looked up, in order:
+
+1. in the config itself under a synonym (`SYNONYMS`: names transformers no longer has at all);
+2. on transformers' own config class for the family, instantiated from the config: its
+   `attribute_map` resolves aliases and its defaults are the values transformers computes with.
+
+Sliding-window layouts are translated from `layer_types` into the form the mlx-lm model takes (a
+period, a per-layer string, or the list itself), and refused when that form cannot express them or
+when the mlx-lm model has no sliding window at all. transformers is optional here: an unknown
+config class, or one that rejects the config, leaves step 2 out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from convert.errors import ConversionError
+
+# mlx-lm field -> keys that hold the same value in configs written by newer transformers.
+SYNONYMS: dict[str, tuple[str, ...]] = {
+    "n_ctx": ("n_positions", "max_position_embeddings"),
+    "n_positions": ("max_position_embeddings", "n_ctx"),
+    "rotary_emb_base": ("rope_theta",),
+    "rotary_pct": ("partial_rotary_factor",),
+    "num_experts": ("num_local_experts", "n_routed_experts"),
+    "num_local_experts": ("num_experts", "n_routed_experts"),
+    "n_routed_experts": ("num_local_experts", "num_experts"),
+    "layer_norm_eps": ("layer_norm_epsilon", "norm_eps"),
+    "layer_norm_epsilon": ("layer_norm_eps", "norm_eps"),
+}
+
+
+def _head_dim(cfg: dict):
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+# mlx-lm field -> how transformers' models compute it when the config does not set it.
+DERIVED = {"head_dim": _head_dim}
+
+# Keys a multimodal wrapper's ModelArgs reads at the top level that transformers keeps only in the
+# nested text_config.
+_FROM_TEXT = {"vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings"}
+
+# Keys never taken from transformers' class: they describe the checkpoint, not the architecture,
+# or mlx-lm derives them itself.
+_NOT_FILLED = {"model_type", "quantization", "quantization_config", "text_config"}
+
+# Families whose mlx-lm model computes logits transformers' does not give, with no load-time fix
+# yet: refused rather than converted into a model that diverges silently.
+DIVERGENT = {
+    "glm": "mlx-lm's GLM applies rotary embeddings differently (logits differ from the 2nd token)",
+    "ernie4_5_moe": "mlx-lm's ERNIE 4.5 MoE routes or weights experts differently",
+    "nemotron_h": "mlx-lm's Nemotron-H mixer differs from transformers' by about 1e-3",
+}
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def normalize_config(config: dict) -> dict:
+    """A copy of `config` with the keys mlx-lm reads filled from the forms transformers writes."""
+    config = dict(config)
+    family = config.get("model_type")
+    if family in DIVERGENT:
+        raise ConversionError(f"{family}: not converted: {DIVERGENT[family]}")
+    if config.get("model_type") == "qwen3_5_text":
+        config["model_type"] = "qwen3_5"  # mlx-lm's qwen3_5 takes a flat text config too
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict):
+            _normalize_rope(part)
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config["text_config"] = text = dict(text)
+    for part in (config, text):
+        if not isinstance(part, dict):
+            continue
+        args_cls = _args_class(part)
+        if args_cls is not None:
+            _fill_fields(part, args_cls)
+        _normalize_sliding_pattern(part, args_cls)
+    return config
+
+
+# ------------------------------------------------------------------------------------- rope
+
+
+def _normalize_rope(cfg: dict) -> None:
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict):
+        return
+    if "full_attention" in params:  # gemma3: one entry per attention type
+        sliding = params.get("sliding_attention") or {}
+        if "rope_theta" in sliding:
+            cfg.setdefault("rope_local_base_freq", sliding["rope_theta"])
+        params = params["full_attention"] or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if params.get(key) is not None:
+            cfg.setdefault(key, params[key])
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default" and not cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = {**params, "type": rope_type}
+    cfg.setdefault("rope_scaling", None)  # some mlx-lm models require the key
+
+
+# ----------------------------------------------------------------------------- ModelArgs fields
+
+
+def _args_class(config: dict):
+    """mlx-lm's ModelArgs dataclass for `config`, or None (unknown families are refused later)."""
+    if "model_type" not in config:
+        return None
+    from mlx_spec.models import reference_fixes
+
+    from mlx_lm.utils import _get_classes
+
+    reference_fixes.install()  # the fields its fixes read belong to ModelArgs
+    try:
+        _, args_cls = _get_classes(config)
+    except (ValueError, ImportError, SystemExit):  # some mlx-lm modules exit without a package
+        return None
+    return args_cls if dataclasses.is_dataclass(args_cls) else None
+
+
+def _hf_config(config: dict):
+    """transformers' config object for `config`, or None when transformers cannot build one."""
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers comes with mlx-lm
+        return None
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return None
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version")}
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return CONFIG_MAPPING[model_type](**kwargs)
+    except Exception:  # a config the class rejects: fall back to the synonyms alone
+        return None
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _plain(value) -> bool:
+    """A JSON value (what config.json could have held)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _fits(value, field: dataclasses.Field) -> bool:
+    """`value` can stand where `field`'s default stands (same kind of value)."""
+    default = field.default
+    if default is dataclasses.MISSING or default is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def _fill_fields(config: dict, args_cls) -> None:
+    """Fill each ModelArgs field `config` lacks from a synonym, else from transformers' class."""
+    fields = [f for f in dataclasses.fields(args_cls) if f.name not in _NOT_FILLED]
+    missing = [f for f in fields if f.name not in config]
+    if not missing:
+        return
+    hf = None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for field in missing:
+        for alias in SYNONYMS.get(field.name, ()):
+            if config.get(alias) is not None:
+                config[field.name] = config[alias]
+                break
+        else:
+            if text.get(field.name) is not None and field.name in _FROM_TEXT:
+                config[field.name] = text[field.name]  # a wrapper reading the text model's value
+                continue
+            if hf is None:
+                hf = _hf_config(config) or False
+            if not hf:
+                continue
+            try:
+                value = getattr(hf, field.name)
+            except Exception:  # attributes computed from others can raise
+                continue
+            if value is None:
+                for alias in SYNONYMS.get(field.name, ()):
+                    value = getattr(hf, alias, None)
+                    if value is not None:
+                        break
+            if value is not None and _plain(value) and _fits(value, field):
+                config[field.name] = list(value) if isinstance(value, tuple) else value
+    for name, derive in DERIVED.items():
+        if name not in config and any(f.name == name for f in fields):
+            value = derive(config)
+            if value is not None:
+                config[name] = value
+
+
+# ------------------------------------------------------------------------------- sliding window
+
+
+def _field_type(args_cls, name: str):
+    if args_cls is None:
+        return None
+    for field in dataclasses.fields(args_cls):
+        if field.name == name:
+            try:
+                hints = typing.get_type_hints(args_cls)
+            except Exception:
+                return field.type
+            return hints.get(name, field.type)
+    return None
+
+
+def _takes(args_cls, name: str) -> bool:
+    return args_cls is not None and any(f.name == name for f in dataclasses.fields(args_cls))
+
+
+def _normalize_sliding_pattern(cfg: dict, args_cls=None) -> None:
+    """Translate `layer_types` into the sliding-window form mlx-lm's model reads."""
+    types = cfg.get("layer_types")
+    if not isinstance(types, list) or not types:
+        _refuse_uniform_window(cfg, args_cls)
+        return
+    sliding = [t == SLIDING for t in types]
+    window = cfg.get("sliding_window")
+    family = cfg.get("model_type")
+    if args_cls is None:  # a nested text config: mlx-lm's gemma wrappers read the period
+        if "sliding_window_pattern" not in cfg and "gemma" in str(family) and any(sliding):
+            period = _period(cfg, sliding)
+            if period is None:
+                raise ConversionError(f"{family}: {_not_periodic(types)}")
+            cfg["sliding_window_pattern"] = period
+        return
+    if not any(sliding) or window is None:
+        return
+    if _takes(args_cls, "layer_types"):
+        return  # the mlx-lm model reads the list itself
+    if _takes(args_cls, "sliding_window_pattern"):
+        kind = _field_type(args_cls, "sliding_window_pattern")
+        if "str" in str(kind):  # one letter per layer: L(ocal) or G(lobal)
+            cfg["sliding_window_pattern"] = "".join("L" if s else "G" for s in sliding)
+            return
+        period = _period(cfg, sliding)
+        if period is None:
+            raise ConversionError(f"{family}: {_not_periodic(types)}")
+        cfg["sliding_window_pattern"] = period
+        return
+    if not _takes(args_cls, "sliding_window"):
+        raise ConversionError(
+            f"{family}: {sum(sliding)} layer(s) use a sliding window of {window} tokens but "
+            "mlx-lm's model has no sliding window; its logits would differ past that length"
+        )
+
+
+def _refuse_uniform_window(cfg: dict, args_cls) -> None:
+    """A `sliding_window` without `layer_types`: transformers applies it to every layer (Mistral,
+    Mixtral, Phi-3, StarCoder2); mlx-lm's models of those families attend to the whole context."""
+    window = cfg.get("sliding_window")
+    if args_cls is None or not isinstance(window, int) or isinstance(window, bool):
+        return
+    context = cfg.get("max_position_embeddings")
+    if isinstance(context, int) and window >= context:
+        return  # the window never cuts anything off
+    if cfg.get("use_sliding_window") is False:
+        return
+    raise ConversionError(
+        f"{cfg.get('model_type')}: sliding_window {window} applies to every layer but mlx-lm's "
+        f"model attends to the whole context; its logits would differ past {window} tokens"
+    )
+
+
+def _period(cfg: dict, sliding: list[bool]) -> int | None:
+    """P such that layer i is full-attention iff i % P == P - 1, if the layout is that."""
+    if cfg.get("sliding_window_pattern") and isinstance(cfg["sliding_window_pattern"], int):
+        period = cfg["sliding_window_pattern"]
+    elif cfg.get("_sliding_window_pattern"):
+        period = cfg["_sliding_window_pattern"]
+    elif False in sliding:
+        period = sliding.index(False) + 1
+    else:
+        period = len(sliding) + 1  # no full-attention layer within the model
+    expected = [i % period != period - 1 for i in range(len(sliding))]
+    return period if expected == sliding else None
+
+
+def _not_periodic(types: list) -> str:
+    letters = "".join("S" if t == SLIDING else "F" for t in types)
+    letters = letters if len(letters) <= 24 else letters[:24] + "..."
+    return (
+        f"layer_types {letters} is not a repeating run of sliding-window layers closed by one "
+        "full-attention layer, the only layout mlx-lm's model has"
+    )

@@ -1,0 +1,162 @@
+"""Conformance against transformers: a fast slice of the matrix (benchmarks/conformance.py runs all
+of it), quantized conversions, a negative control, refusals, and speculative decoding on a family
+exact only thanks to a load-time fix (Gemma 2's sliding window)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx_spec  # first: loads the optimized BLAS before mlx
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import conformance_matrix as cm  # noqa: E402  (needs torch)
+import hfmodels as hfm  # noqa: E402
+
+# the first converter failures reported, the families mlx-lm fixes at load time, and one family
+# with an MTP head
+SLICE = ["llama", "gemma2", "qwen3_moe", "gpt2", "gpt_neox", "exaone4", "olmo3", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("family", SLICE)
+def test_family_matches_transformers(tmp_path, family):
+    """Converted float32 logits equal transformers' (1e-4) over 20 tokens, past any window of 8,
+    in one pass and in verification-sized chunks through the cache."""
+    result = cm.run_family(family, tmp_path)
+    assert result.status == "exact", cm.format_row(result)
+    assert result.max_diff <= cm.ATOL
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_quantized_close_to_float(tmp_path, family):
+    """4- and 8-bit conversions stay within the bounds justified in conformance_matrix, and are
+    really quantized (not float weights under another name)."""
+    result = cm.run_family(family, tmp_path, quant_bits=(4, 8))
+    assert result.status == "exact", cm.format_row(result)
+    assert cm.quant_ok(result), result.quantized
+    assert 0 < result.quantized[8] < result.quantized[4]
+
+
+def _perturb_one_weight(dest: Path) -> None:
+    """Add 0.05 to one element of one attention weight of the converted model."""
+    for file in sorted(dest.glob("model*.safetensors")):
+        weights = mx.load(str(file))
+        names = [n for n in weights if "layers.1.self_attn.q_proj.weight" in n]
+        if names:
+            value = np.array(weights[names[0]])
+            value[0, 0] += 0.05
+            weights[names[0]] = mx.array(value)
+            mx.save_safetensors(str(file), weights, metadata={"format": "mlx"})
+            return
+    raise AssertionError("no q_proj weight to perturb")
+
+
+def test_negative_control_detects_a_wrong_weight(tmp_path):
+    """The comparison catches one wrong weight: the matrix reports it, with the position."""
+    result = cm.run_family("llama", tmp_path, perturb=_perturb_one_weight)
+    assert result.status == "MISMATCH"
+    assert result.max_diff > cm.ATOL and result.first_diverging is not None
+
+
+def test_window_on_every_layer_is_refused(tmp_path):
+    """A sliding window mlx-lm's model would ignore is refused before anything is written."""
+    result = cm.run_family("mistral", tmp_path)
+    assert result.status == "refused"
+    assert "sliding_window 8" in result.reason and "mlx-lm" in result.reason
+    assert not (tmp_path / "mistral-mlx").exists()
+    assert cm.run_family("mistral/no-window", tmp_path).status == "exact"
+
+
+def test_original_config_kept(tmp_path):
+    """conversion.json keeps the checkpoint's config.json as written (renamed keys included)."""
+    import json
+
+    from convert import convert_checkpoint
+
+    source, _ = cm.write_checkpoint("qwen3_moe", tmp_path / "hf")
+    out = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    original = json.loads((source / "config.json").read_text())
+    assert json.loads((out / "conversion.json").read_text())["source_config"] == original
+    assert "num_experts" not in original  # transformers 5 writes num_local_experts
+    assert json.loads((out / "config.json").read_text())["num_experts"] == 4
+
+
+def test_gemma2_speculative_decoding_past_the_window(tmp_path):
+    """Gemma 2 with a sliding window of 8: greedy tokens from plain decoding equal transformers'
+    argmax at every step, and speculative decoding (n-gram drafts, rejected often, so sliding
+    caches are rolled back) gives the same tokens."""
+    from convert import convert_checkpoint
+
+    source, torch_model = cm.write_checkpoint("gemma2", tmp_path / "hf")
+    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    model, tokenizer = mlx_spec.load(str(dest))
+    tokenizer.eos_token_ids = set()  # fixed-length generations
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    plain = mlx_spec.generate(model, tokenizer, prompt, max_tokens=24).tokens
+    spec = mlx_spec.generate(
+        model, tokenizer, prompt, drafter="ngram", num_draft=3, max_tokens=24
+    ).tokens
+    assert spec == plain
+    reference = hfm.hf_logits(torch_model, prompt + plain[:-1]).argmax(-1)[len(prompt) - 1 :]
+    assert list(reference) == plain
+
+
+def test_mlx_spec_installs_the_load_time_fixes():
+    """A fresh process that imports mlx_spec (not the converter) runs Gemma 2 with its window."""
+    code = textwrap.dedent(
+        """
+        import mlx_spec, dataclasses
+        from mlx_lm.models import gemma2
+        fields = {f.name for f in dataclasses.fields(gemma2.ModelArgs)}
+        assert "sliding_window" in fields, "mlx_spec does not install reference_fixes"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _full_matrix_selected(config) -> bool:
+    return os.environ.get("MLX_SPEC_CONFORMANCE") == "1" or "conformance" in (
+        config.getoption("-m") or ""
+    )
+
+
+@pytest.mark.conformance
+def test_full_matrix(request):
+    """Every family both transformers and mlx-lm implement: exact, refused with a reason, or
+    skipped because transformers cannot run it; never a silent mismatch."""
+    if not _full_matrix_selected(request.config):
+        pytest.skip("the full matrix runs with MLX_SPEC_CONFORMANCE=1 or -m conformance")
+    results = cm.run_matrix()
+    silent = [cm.format_row(r) for r in results if r.status == "MISMATCH"]
+    assert not silent, "\n".join(silent)
+    assert all(r.reason for r in results if r.status != "exact")
+    assert all(cm.quant_ok(r) for r in results)
+
+
+def test_gemma_legacy_gelu_means_tanh(tmp_path):
+    """Gemma's published configs say `hidden_act: "gelu"` and mean the tanh approximation
+    (transformers rewrites it); the converted model computes the same as transformers."""
+    import json
+
+    from convert import convert_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    source, _ = cm.write_checkpoint("gemma", tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (source / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    model, _ = mlx_spec.load(str(dest))
+    ids = cm.token_ids()
+    max_diff, first = cm.compare(cm.mlx_logits(model, ids), hfm.hf_logits(reference, ids))
+    assert max_diff <= cm.ATOL and first is None
