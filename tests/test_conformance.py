@@ -148,6 +148,7 @@ def test_gemma_legacy_gelu_means_tanh(tmp_path):
     import json
 
     from convert import convert_checkpoint
+
     from transformers import AutoModelForCausalLM
 
     source, _ = cm.write_checkpoint("gemma", tmp_path / "hf")
