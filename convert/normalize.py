@@ -46,9 +46,55 @@ def _head_dim(cfg: dict):
 # mlx-lm field -> how transformers' models compute it when the config does not set it.
 DERIVED = {"head_dim": _head_dim}
 
+
+def _rotary_dim(cfg: dict):
+    params = cfg.get("rope_parameters") or {}
+    head_dim = cfg.get("head_dim") or _head_dim(cfg)
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return int(head_dim * factor) if head_dim else None
+
+
+def _moe_layers(cfg: dict):
+    """Per layer: a mixture of experts (transformers' `mlp_layer_types`, else the dense layers
+    `first_k_dense_replace` puts first)."""
+    kinds = cfg.get("mlp_layer_types")
+    if isinstance(kinds, list):
+        return [k == "sparse" for k in kinds]
+    first = cfg.get("first_k_dense_replace") or 0
+    return [i >= first for i in range(cfg["num_hidden_layers"])]
+
+
+# Family -> mlx-lm fields that transformers' model of that family does not read from its config
+# but hard-codes or computes: the values it computes with, filled where the config lacks them
+# (configs written by transformers' own classes leave these keys out).
+IMPLIED = {
+    # pre-norm blocks, query/key norms, no MLP bias
+    "apertus": lambda c: dict(mlp_bias=False, post_norm=False, qk_norm=True),
+    "exaone_moe": lambda c: dict(is_moe_layer=_moe_layers(c)),
+    # the block width is the model width; the MLP width is intermediate_size (adjusted alike)
+    "lfm2": lambda c: dict(block_dim=c.get("hidden_size"), block_ff_dim=c.get("intermediate_size")),
+    "minimax_m2": lambda c: dict(shared_intermediate_size=0, rotary_dim=_rotary_dim(c)),
+    # DeepSeek-V3 routing (sigmoid scores, group-limited top-k with the correction bias), a
+    # mixture of experts on every layer after the first dense ones
+    "mamba2": lambda c: dict(intermediate_size=int(c.get("expand", 2) * c["hidden_size"])),
+    # an unset inner width is 4x the model width
+    "gpt_bigcode": lambda c: dict(n_inner=4 * c["n_embd"] if c.get("n_embd") else None),
+    # every layer a mixture of experts (no dense MLP, so no dense width), rotary on the whole head
+    "solar_open": lambda c: dict(
+        first_k_dense_replace=0,
+        intermediate_size=c.get("moe_intermediate_size"),
+        partial_rotary_factor=1.0,
+    ),
+    "glm_moe_dsa": lambda c: dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1),
+}
+
 # Keys a multimodal wrapper's ModelArgs reads at the top level that transformers keeps only in the
 # nested text_config.
 _FROM_TEXT = {"vocab_size", "hidden_size", "num_hidden_layers", "tie_word_embeddings"}
+
+# Read-only properties of transformers' classes that mlx-lm also computes itself: written into
+# config.json they make transformers' own loader (the tokenizer's) fail.
+_RELOAD_BREAKS = {"layers_block_type"}
 
 # Keys never taken from transformers' class: they describe the checkpoint, not the architecture,
 # or mlx-lm derives them itself.
@@ -60,6 +106,20 @@ DIVERGENT = {
     "glm": "mlx-lm's GLM applies rotary embeddings differently (logits differ from the 2nd token)",
     "ernie4_5_moe": "mlx-lm's ERNIE 4.5 MoE routes or weights experts differently",
     "nemotron_h": "mlx-lm's Nemotron-H mixer differs from transformers' by about 1e-3",
+    "jamba": (
+        "mlx-lm's Jamba differs from transformers' from the first token (about 0.6 in the "
+        "logits of a tiny checkpoint with attention and Mamba layers); cause not yet found"
+    ),
+    "minimax": (
+        "mlx-lm's minimax model is MiniMax-M2's; this MiniMax (Text-01) has lightning-attention "
+        "layers and no query/key norms"
+    ),
+}
+
+# Families whose mlx-lm model names layer kinds as their checkpoints did before transformers
+# renamed them: transformers' name -> mlx-lm's.
+LAYER_TYPE_NAMES = {
+    "granitemoehybrid": {"linear_attention": "mamba", "full_attention": "attention"},
 }
 
 SLIDING = "sliding_attention"
@@ -72,8 +132,19 @@ def normalize_config(config: dict) -> dict:
     family = config.get("model_type")
     if family in DIVERGENT:
         raise ConversionError(f"{family}: not converted: {DIVERGENT[family]}")
-    if config.get("model_type") == "qwen3_5_text":
-        config["model_type"] = "qwen3_5"  # mlx-lm's qwen3_5 takes a flat text config too
+    if family == "llama4_text" and config.get("moe_layers"):
+        raise ConversionError(
+            "llama4_text: not converted: mlx-lm's llama4_text is the dense variant; this config "
+            f"has mixture-of-experts layers {config['moe_layers']}"
+        )
+    if family == "lfm2" and "conv" not in (config.get("layer_types") or ["conv"]):
+        raise ConversionError("lfm2: no short-convolution layer: mlx-lm's LFM2 needs at least one")
+    if family in LAYER_TYPE_NAMES and isinstance(config.get("layer_types"), list):
+        names = LAYER_TYPE_NAMES[family]
+        config["layer_types"] = [names.get(t, t) for t in config["layer_types"]]
+    if config.get("model_type") in ("qwen3_5_text", "qwen3_5_moe_text"):
+        # mlx-lm's qwen3_5 and qwen3_5_moe take a flat text config too
+        config["model_type"] = config["model_type"].removesuffix("_text")
     for part in (config, config.get("text_config")):
         if isinstance(part, dict):
             _normalize_rope(part)
@@ -109,6 +180,27 @@ def _normalize_rope(cfg: dict) -> None:
     if rope_type != "default" and not cfg.get("rope_scaling"):
         cfg["rope_scaling"] = {**params, "type": rope_type}
     cfg.setdefault("rope_scaling", None)  # some mlx-lm models require the key
+    if cfg.get("rope_scaling") is None and cfg.get("model_type") in UNSCALED_ROPE:
+        cfg["rope_scaling"] = UNSCALED_ROPE[cfg["model_type"]](cfg)
+
+
+# Families whose mlx-lm model always applies its checkpoints' rope scaling (YaRN, LongRoPE) and
+# cannot run without one: the scaling that changes nothing (factor 1), for configs that set none.
+UNSCALED_ROPE = {
+    "deepseek_v2": lambda c: {
+        "type": "yarn",
+        "factor": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0,
+        "original_max_position_embeddings": c.get("max_position_embeddings"),
+    },
+    "minicpm3": lambda c: {
+        "type": "longrope",
+        "short_factor": [1.0] * (c.get("qk_rope_head_dim", 2) // 2),
+        "long_factor": [1.0] * (c.get("qk_rope_head_dim", 2) // 2),
+        "original_max_position_embeddings": c.get("max_position_embeddings"),
+    },
+}
 
 
 # ----------------------------------------------------------------------------- ModelArgs fields
@@ -195,6 +287,9 @@ def _fill_fields(config: dict, args_cls) -> None:
                 hf = _hf_config(config) or False
             if not hf:
                 continue
+            attr = getattr(type(hf), field.name, None)
+            if isinstance(attr, property) and attr.fset is None and field.name in _RELOAD_BREAKS:
+                continue  # computed by transformers from other keys; as a key it breaks reloading
             try:
                 value = getattr(hf, field.name)
             except Exception:  # attributes computed from others can raise
@@ -206,6 +301,12 @@ def _fill_fields(config: dict, args_cls) -> None:
                         break
             if value is not None and _plain(value) and _fits(value, field):
                 config[field.name] = list(value) if isinstance(value, tuple) else value
+    implied = IMPLIED.get(config.get("model_type"))
+    if implied is not None:
+        names = {f.name for f in fields}
+        for name, value in implied(config).items():
+            if name in names and config.get(name) is None and value is not None:
+                config[name] = value
     for name, derive in DERIVED.items():
         if name not in config and any(f.name == name for f in fields):
             value = derive(config)
@@ -272,7 +373,10 @@ def _normalize_sliding_pattern(cfg: dict, args_cls=None) -> None:
 
 def _refuse_uniform_window(cfg: dict, args_cls) -> None:
     """A `sliding_window` without `layer_types`: transformers applies it to every layer (Mistral,
-    Mixtral, Phi-3, StarCoder2); mlx-lm's models of those families attend to the whole context."""
+    Mixtral, Phi-3, StarCoder2). Where a load-time fix runs such a window (`UNIFORM_WINDOW`) the
+    config is marked with `layer_types` all sliding; elsewhere it is refused."""
+    from mlx_spec.models.reference_fixes import UNIFORM_WINDOW
+
     window = cfg.get("sliding_window")
     if args_cls is None or not isinstance(window, int) or isinstance(window, bool):
         return
@@ -280,6 +384,10 @@ def _refuse_uniform_window(cfg: dict, args_cls) -> None:
     if isinstance(context, int) and window >= context:
         return  # the window never cuts anything off
     if cfg.get("use_sliding_window") is False:
+        return
+    layers = cfg.get("num_hidden_layers")
+    if cfg.get("model_type") in UNIFORM_WINDOW and isinstance(layers, int):
+        cfg["layer_types"] = [SLIDING] * layers
         return
     raise ConversionError(
         f"{cfg.get('model_type')}: sliding_window {window} applies to every layer but mlx-lm's "

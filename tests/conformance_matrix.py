@@ -116,6 +116,18 @@ OVERRIDES: dict[str, dict] = {
     # a full-attention layer after five sliding ones, as the published models have
     "gemma3_text": dict(num_hidden_layers=6),
     "gemma3": dict(text_config=dict(num_hidden_layers=6)),
+    # Phi-3.5-MoE's published config has biases transformers' defaults leave out; mlx-lm's
+    # PhiMoE always has them (a checkpoint without them is refused: the tensors are missing)
+    "phimoe": dict(attention_bias=True, lm_head_bias=True),
+    # short-convolution layers between attention ones, as LFM2 has (transformers' default is
+    # attention on every layer, which mlx-lm's LFM2 cannot run: refused)
+    "lfm2": dict(full_attn_idxs=[1, 3]),
+    # state-space heads that tile the expanded width (expand 2 x hidden 64), as the classes check
+    "mamba2": dict(num_heads=8),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=128),
+    # attention every other layer (the default period of 8 leaves four layers without one)
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "granitemoehybrid": dict(mamba_d_head=32),
 }
 
 # Families that are not compared, and why.

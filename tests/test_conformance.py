@@ -67,13 +67,83 @@ def test_negative_control_detects_a_wrong_weight(tmp_path):
     assert result.max_diff > cm.ATOL and result.first_diverging is not None
 
 
-def test_window_on_every_layer_is_refused(tmp_path):
-    """A sliding window mlx-lm's model would ignore is refused before anything is written."""
+def _batch_engine_agrees(model, tokenizer, prompt, plain, windows):
+    """The batch engine learns the windows from the model's caches and masks by position: with
+    n-gram drafts its greedy tokens equal plain decoding (two rows, past the window)."""
+    from mlx_spec.batch_cache import BatchCache
+    from mlx_spec.batch_drafters import BatchNgram
+    from mlx_spec.compat import scored_vocab
+    from mlx_spec.engine import BatchEngine, BatchRequest
+    from mlx_spec.sampling import SamplingConfig
+
+    assert set(BatchCache(model, 1).groups) == windows
+    engine = BatchEngine(model, tokenizer, scored_vocab(model, tokenizer), {"ngram": BatchNgram()})
+    prompts = [prompt, [1, 9, 4, 9, 4, 9, 4, 9, 4, 9]]
+    out: list[list[int]] = [[], []]
+    for i, p in enumerate(prompts):
+
+        def emit(item, i=i):
+            if isinstance(item, Exception):
+                raise item
+            if item.token is not None:
+                out[i].append(item.token)
+
+        engine.add(
+            BatchRequest(
+                prompt=p,
+                sampling=SamplingConfig(),
+                max_tokens=24,
+                drafter="ngram",
+                num_draft=3,
+                emit=emit,
+            )
+        )
+    while engine.busy:
+        engine.step()
+    assert out[0] == plain
+    assert out[1] == mlx_spec.generate(model, tokenizer, prompts[1], max_tokens=24).tokens
+
+
+def test_window_on_every_layer_is_exact(tmp_path):
+    """Mistral's sliding window covers every layer (mlx-lm's model has none): conversion marks
+    the layers sliding, the load-time fix runs the window, and the logits are transformers'."""
+    import json
+
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
     result = cm.run_family("mistral", tmp_path)
-    assert result.status == "refused"
-    assert "sliding_window 8" in result.reason and "mlx-lm" in result.reason
-    assert not (tmp_path / "mistral-mlx").exists()
+    assert result.status == "exact", cm.format_row(result)
+    source, _ = cm.write_checkpoint("mistral", tmp_path / "hf")
+    from convert import convert_checkpoint
+
+    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    config = json.loads((dest / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] * config["num_hidden_layers"]
+    model, _ = mlx_spec.load(str(dest))
+    caches = make_prompt_cache(model)
+    assert all(type(c) is RotatingKVCache and c.max_size == cm.WINDOW for c in caches)
     assert cm.run_family("mistral/no-window", tmp_path).status == "exact"
+
+
+def test_mistral_speculative_decoding_past_the_window(tmp_path):
+    """Mistral with a window of 8 on every layer: plain greedy decoding equals transformers'
+    argmax at every step past the window, and speculative decoding (n-gram drafts, rolled back
+    often) and the batch engine give the same tokens."""
+    from convert import convert_checkpoint
+
+    source, torch_model = cm.write_checkpoint("mistral", tmp_path / "hf")
+    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    model, tokenizer = mlx_spec.load(str(dest))
+    tokenizer.eos_token_ids = set()  # fixed-length generations
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    plain = mlx_spec.generate(model, tokenizer, prompt, max_tokens=24).tokens
+    spec = mlx_spec.generate(
+        model, tokenizer, prompt, drafter="ngram", num_draft=3, max_tokens=24
+    ).tokens
+    assert spec == plain
+    reference = hfm.hf_logits(torch_model, prompt + plain[:-1]).argmax(-1)[len(prompt) - 1 :]
+    assert list(reference) == plain
+    _batch_engine_agrees(model, tokenizer, prompt, plain, windows={cm.WINDOW})
 
 
 def test_original_config_kept(tmp_path):
@@ -108,6 +178,7 @@ def test_gemma2_speculative_decoding_past_the_window(tmp_path):
     assert spec == plain
     reference = hfm.hf_logits(torch_model, prompt + plain[:-1]).argmax(-1)[len(prompt) - 1 :]
     assert list(reference) == plain
+    _batch_engine_agrees(model, tokenizer, prompt, plain, windows={cm.WINDOW, None})
 
 
 def test_mlx_spec_installs_the_load_time_fixes():

@@ -4,8 +4,18 @@ reference, applied to mlx-lm's classes without forking their files.
 - gemma2: sliding-window attention on the layers `layer_types` marks (transformers alternates
   sliding and full layers, window `sliding_window`); mlx-lm's Gemma 2 attends to the whole context
   on every layer. Sliding layers get a RotatingKVCache of the window and a windowed mask.
-- gpt_neox, gemma, starcoder2: the MLP activation named by the config (`hidden_act`); mlx-lm
-  hard-codes one (tanh-approximate GELU for GPT-NeoX, whose checkpoints use the exact one).
+- mistral, mixtral, ministral3, phi3, phimoe, starcoder2: a sliding window on every layer
+  (transformers applies `sliding_window` to all layers of these families; mlx-lm's models attend
+  to the whole context). Conversion marks such a config with `layer_types` all
+  "sliding_attention"; every layer then gets a RotatingKVCache of the window, whose mask the
+  model already asks for (`create_attention_mask(h, cache[0])`), and a one-pass call without a
+  cache gets fresh windowed caches so that its mask is windowed too.
+- minicpm3: hidden states divided by hidden_size / dim_model_base before the LM head also when
+  the embeddings are tied (mlx-lm divides only with a separate LM head; transformers always).
+- gpt_neox, gemma, starcoder2, gpt_bigcode: the MLP activation named by the config
+  (`hidden_act`, `activation_function`); mlx-lm hard-codes one (tanh-approximate GELU for
+  GPT-NeoX, whose checkpoints use the exact one; exact GELU for GPT-BigCode, whose use the
+  tanh approximation).
 
 Each fix adds the config fields it reads to the family's `ModelArgs` (so conversion keeps them in
 config.json) and changes nothing when a config does not set them: such a model runs exactly as
@@ -24,7 +34,25 @@ FIXED = {
     "gemma2": "sliding-window attention on the sliding layers",
     "gpt_neox": "the configured MLP activation",
     "gemma": "the configured MLP activation",
-    "starcoder2": "the configured MLP activation",
+    "starcoder2": "the configured MLP activation; a sliding window on every layer",
+    "mistral": "a sliding window on every layer",
+    "mixtral": "a sliding window on every layer",
+    "ministral3": "a sliding window on every layer",
+    "phi3": "a sliding window on every layer",
+    "phimoe": "a sliding window on every layer",
+    "minicpm3": "the logit scaling with tied embeddings",
+    "gpt_bigcode": "the configured MLP activation",
+}
+
+# transformers model_type whose window covers every layer -> (mlx-lm module, its inner model
+# class: the one the layers and the mask live in)
+UNIFORM_WINDOW = {
+    "mistral": ("llama", "LlamaModel"),
+    "mixtral": ("mixtral", "MixtralModel"),
+    "ministral3": ("ministral3", "LanguageModel"),
+    "phi3": ("phi3", "Phi3Model"),
+    "phimoe": ("phimoe", "PhiMoEModel"),
+    "starcoder2": ("starcoder2", "Starcoder2Model"),
 }
 
 ACTIVATIONS = {
@@ -47,6 +75,9 @@ def install() -> None:
         return
     _INSTALLED = True
     _fix_gemma2()
+    _fix_minicpm3()
+    for module, inner in sorted(set(UNIFORM_WINDOW.values())):
+        _fix_uniform_window(module, inner)
     _fix_activation("gpt_neox", lambda m, x, act: m.dense_4h_to_h(act(m.dense_h_to_4h(x))))
     # Gemma's published configs say "gelu" and mean the tanh approximation (transformers
     # rewrites it so); mlx-lm's Gemma computes the exact GELU.
@@ -56,6 +87,7 @@ def install() -> None:
         legacy={"gelu": "gelu_pytorch_tanh"},
     )
     _fix_activation("starcoder2", lambda m, x, act: m.c_proj(act(m.c_fc(x))))
+    _fix_activation("gpt_bigcode", lambda m, x, act: m.c_proj(act(m.c_fc(x))))
 
 
 def _extend_args(module, **fields) -> type:
@@ -78,7 +110,7 @@ def _extend_args(module, **fields) -> type:
 
 
 def _activation_name(args) -> str | None:
-    for key in ("hidden_activation", "hidden_act"):
+    for key in ("hidden_activation", "hidden_act", "activation_function"):
         name = getattr(args, key, None)
         if name:
             return name
@@ -87,7 +119,7 @@ def _activation_name(args) -> str | None:
 
 def _fix_activation(family: str, call, legacy: dict[str, str] | None = None) -> None:
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    _extend_args(module, hidden_act=str, hidden_activation=str)
+    _extend_args(module, hidden_act=str, hidden_activation=str, activation_function=str)
     model_init, mlp_call = module.Model.__init__, module.MLP.__call__
 
     def __init__(self, args, *a, **k):
@@ -167,3 +199,81 @@ def _fix_gemma2() -> None:
 
     gemma2.GemmaModel.__call__ = __call__
     gemma2.Model.make_cache = make_cache
+
+
+# ------------------------------------------------------------------- window on every layer
+
+
+def uniform_window(args) -> int | None:
+    """The window when `args` marks every layer sliding (as conversion writes it), else None."""
+    window = getattr(args, "sliding_window", None)
+    types = getattr(args, "layer_types", None)
+    if not window or not types or any(t != "sliding_attention" for t in types):
+        return None
+    if len(types) != args.num_hidden_layers:
+        raise ValueError(f"{len(types)} layer_types for {args.num_hidden_layers} layers")
+    return int(window)
+
+
+def _fix_uniform_window(family: str, inner_name: str) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    _extend_args(module, sliding_window=int, layer_types=list)
+    inner_cls = getattr(module, inner_name)
+    model_init, make_cache = module.Model.__init__, getattr(module.Model, "make_cache", None)
+    inner_call = inner_cls.__call__
+
+    def __init__(self, args, *a, **k):
+        window = uniform_window(args)
+        if window is not None:
+            # mlx-lm's own sliding layers (llama, ministral3) need one full-attention layer to
+            # exist: build every layer as full attention; the caches below make them slide.
+            full = ["full_attention"] * args.num_hidden_layers
+            args = dataclasses.replace(args, layer_types=full, sliding_window=None)
+        model_init(self, args, *a, **k)
+        if window is None:
+            return
+        object.__setattr__(self, "_uniform_window", window)
+        for _, sub in self.named_modules():
+            if isinstance(sub, inner_cls):
+                object.__setattr__(sub, "_uniform_window", window)
+
+    def _make_cache(self):
+        window = getattr(self, "_uniform_window", None)
+        if window is None:
+            if make_cache is not None:
+                return make_cache(self)
+            from mlx_lm.models.cache import KVCache
+
+            return [KVCache() for _ in self.layers]
+        return [RotatingKVCache(max_size=window, keep=0) for _ in self.layers]
+
+    def __call__(self, inputs, cache=None, *a, **k):
+        window = getattr(self, "_uniform_window", None)
+        if window is not None and cache is None:
+            # one pass without a cache: the mask comes from cache[0], so give it a window
+            cache = [RotatingKVCache(max_size=window, keep=0) for _ in self.layers]
+        return inner_call(self, inputs, cache, *a, **k)
+
+    module.Model.__init__ = __init__
+    module.Model.make_cache = _make_cache
+    inner_cls.__call__ = __call__
+
+
+# ---------------------------------------------------------------------------------- minicpm3
+
+
+def _fix_minicpm3() -> None:
+    from mlx_lm.models import minicpm3
+
+    model_call = minicpm3.Model.__call__
+
+    def __call__(self, inputs, mask=None, cache=None):
+        if not self.args.tie_word_embeddings:
+            return model_call(self, inputs, mask, cache)
+        out = self.model(inputs, mask, cache)
+        out = out / (self.args.hidden_size / self.args.dim_model_base)
+        return self.model.embed_tokens.as_linear(out)
+
+    minicpm3.Model.__call__ = __call__
