@@ -20,6 +20,7 @@ config class, or one that rejects the config, leaves step 2 out.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import typing
 
 from convert.errors import ConversionError
@@ -383,7 +384,7 @@ def _refuse_uniform_window(cfg: dict, args_cls) -> None:
     context = cfg.get("max_position_embeddings")
     if isinstance(context, int) and window >= context:
         return  # the window never cuts anything off
-    if cfg.get("use_sliding_window") is False:
+    if cfg.get("use_sliding_window") is False or not _reference_reads_window(cfg):
         return
     layers = cfg.get("num_hidden_layers")
     if cfg.get("model_type") in UNIFORM_WINDOW and isinstance(layers, int):
@@ -393,6 +394,24 @@ def _refuse_uniform_window(cfg: dict, args_cls) -> None:
         f"{cfg.get('model_type')}: sliding_window {window} applies to every layer but mlx-lm's "
         f"model attends to the whole context; its logits would differ past {window} tokens"
     )
+
+
+def _reference_reads_window(cfg: dict) -> bool:
+    """Whether transformers' model of the family has a sliding window at all (Llama's does not:
+    a `sliding_window` in a Llama config changes nothing there). Unknown families: assume so."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - transformers comes with mlx-lm
+        return True
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        return True
+    config_cls = CONFIG_MAPPING[cfg["model_type"]]
+    declared = {}
+    for klass in reversed(config_cls.__mro__):
+        declared.update(getattr(klass, "__annotations__", {}))
+    return "sliding_window" in declared or "sliding_window" in inspect.signature(
+        config_cls.__init__
+    ).parameters
 
 
 def _period(cfg: dict, sliding: list[bool]) -> int | None:

@@ -232,3 +232,20 @@ def test_gemma_legacy_gelu_means_tanh(tmp_path):
     ids = cm.token_ids()
     max_diff, first = cm.compare(cm.mlx_logits(model, ids), hfm.hf_logits(reference, ids))
     assert max_diff <= cm.ATOL and first is None
+
+
+def test_window_the_reference_ignores_is_ignored(tmp_path):
+    """A `sliding_window` in a Llama config (transformers' Llama has no window) converts, and the
+    model attends to the whole context as transformers' does."""
+    import json
+
+    from convert import convert_checkpoint
+
+    source, torch_model = cm.write_checkpoint("llama", tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
+    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    model, _ = mlx_spec.load(str(dest))
+    ids = cm.token_ids()
+    max_diff, first = cm.compare(cm.mlx_logits(model, ids), hfm.hf_logits(torch_model, ids))
+    assert max_diff <= cm.ATOL and first is None
