@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from convert.errors import ConversionError
 from convert.fetch import resolve_source
+from convert.layouts import rewrite
 from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
 from convert.mtp_build import build_mtp_module
 from convert.normalize import normalize_config
@@ -110,7 +112,7 @@ def build_target(config: dict, weights: dict[str, mx.array]) -> nn.Module:
         model = model_cls(args_cls.from_dict(config))
     except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
         raise ConversionError(f"config.json does not fit {config['model_type']}: {exc}") from exc
-    weights = _sanitized(model, weights)
+    weights = _sanitized(model, rewrite(config, weights))
     expected = dict(tree_flatten(model.parameters()))
     unknown = sorted(set(weights) - set(expected))
     if unknown:
@@ -134,17 +136,44 @@ def _sanitized(model: nn.Module, weights: dict) -> dict:
     transformers base-model prefix (e.g. `transformer.`) removed, if that makes them fit: mlx-lm
     models written against base-model checkpoints do not know the prefix a causal-LM class adds."""
     sanitize = getattr(model, "sanitize", None)
-    out = sanitize(dict(weights)) if sanitize else weights
-    if set(out) <= _names(model):  # (sanitize may drop parameters, e.g. an untied head)
+    names = _names(model)
+    out = _stack_experts(sanitize(dict(weights)) if sanitize else weights, names)
+    if set(out) <= names:  # (sanitize may drop parameters, e.g. an untied head)
         return out
     heads = {name.split(".", 1)[0] for name in weights if "." in name}
     for prefix in sorted(heads - {"model", "lm_head"}):
         cut = len(prefix) + 1
         stripped = {k[cut:] if k.startswith(prefix + ".") else k: v for k, v in weights.items()}
-        retry = sanitize(dict(stripped)) if sanitize else stripped
-        if set(retry) <= _names(model):
+        retry = _stack_experts(sanitize(dict(stripped)) if sanitize else stripped, names)
+        if set(retry) <= names:
             return retry
     return out
+
+
+_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
+
+
+def _stack_experts(weights: dict, names: set[str]) -> dict:
+    """Per-expert tensors (`...experts.3.up_proj.weight`, the layout transformers writes for
+    several mixture-of-experts families) stacked into the `...switch_mlp.up_proj.weight` the
+    mlx-lm model holds, where its sanitize left them per expert. Only complete sets of experts
+    whose stacked name the model has are stacked; anything else is left for the name check."""
+    groups: dict[str, dict[int, str]] = {}
+    for name in weights:
+        match = _EXPERT.match(name)
+        if match and name not in names:
+            prefix, index, proj, kind = match.groups()
+            target = f"{prefix}.switch_mlp.{proj}.{kind}"
+            if target in names:
+                groups.setdefault(target, {})[int(index)] = name
+    if not groups:
+        return weights
+    weights = dict(weights)
+    for target, members in groups.items():
+        if target in weights or sorted(members) != list(range(len(members))):
+            continue
+        weights[target] = mx.stack([weights.pop(members[i]) for i in range(len(members))])
+    return weights
 
 
 def _names(model: nn.Module) -> set[str]:

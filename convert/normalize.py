@@ -87,6 +87,18 @@ IMPLIED = {
         partial_rotary_factor=1.0,
     ),
     "glm_moe_dsa": lambda c: dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1),
+    # expert weights from the softmax over all experts (a load-time fix)
+    "jamba": lambda c: dict(router_softmax_all=True),
+    # experts chosen with the score-correction bias (a load-time fix keeps it)
+    "ernie4_5_moe": lambda c: dict(moe_score_correction=True),
+    # latent attention with both low-rank parts scaled by sqrt(hidden / rank); the
+    # zero-computation experts return their input
+    "longcat_flash": lambda c: dict(
+        attention_method="MLA",
+        zero_expert_type="identity",
+        mla_scale_q_lora=True,
+        mla_scale_kv_lora=True,
+    ),
 }
 
 # Keys a multimodal wrapper's ModelArgs reads at the top level that transformers keeps only in the
@@ -104,13 +116,6 @@ _NOT_FILLED = {"model_type", "quantization", "quantization_config", "text_config
 # Families whose mlx-lm model computes logits transformers' does not give, with no load-time fix
 # yet: refused rather than converted into a model that diverges silently.
 DIVERGENT = {
-    "glm": "mlx-lm's GLM applies rotary embeddings differently (logits differ from the 2nd token)",
-    "ernie4_5_moe": "mlx-lm's ERNIE 4.5 MoE routes or weights experts differently",
-    "nemotron_h": "mlx-lm's Nemotron-H mixer differs from transformers' by about 1e-3",
-    "jamba": (
-        "mlx-lm's Jamba differs from transformers' from the first token (about 0.6 in the "
-        "logits of a tiny checkpoint with attention and Mamba layers); cause not yet found"
-    ),
     "minimax": (
         "mlx-lm's minimax model is MiniMax-M2's; this MiniMax (Text-01) has lightning-attention "
         "layers and no query/key norms"
@@ -409,9 +414,10 @@ def _reference_reads_window(cfg: dict) -> bool:
     declared = {}
     for klass in reversed(config_cls.__mro__):
         declared.update(getattr(klass, "__annotations__", {}))
-    return "sliding_window" in declared or "sliding_window" in inspect.signature(
-        config_cls.__init__
-    ).parameters
+    return (
+        "sliding_window" in declared
+        or "sliding_window" in inspect.signature(config_cls.__init__).parameters
+    )
 
 
 def _period(cfg: dict, sliding: list[bool]) -> int | None:

@@ -128,6 +128,39 @@ OVERRIDES: dict[str, dict] = {
     # attention every other layer (the default period of 8 leaves four layers without one)
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "granitemoehybrid": dict(mamba_d_head=32),
+    # the published layouts where the class defaults cannot run (transformers fails on them):
+    # GPT-J rotates part of each head (64 of 256 dims), not more than the head
+    "gptj": dict(rotary_dim=8),
+    # dots.llm1 has shared experts next to the routed ones, after a dense first layer
+    "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
+    # LFM2-MoE interleaves short convolutions and attention, as LFM2 does
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    # LongCat-Flash: two sub-layers per layer, head_dim is the rotary part of the latent
+    # attention, zero-computation experts beside the routed ones
+    "longcat_flash": dict(num_layers=2, head_dim=8, zero_expert_num=2),
+    # Nemotron-H's published configs set no sliding window; its Mamba width is twice the
+    # model width (128 heads of 64 for a width of 4096), as here (the default is 8192 wide)
+    "nemotron_h": dict(
+        sliding_window=None,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    # DBRX keeps its attention and expert settings in nested configs
+    "dbrx": dict(
+        attn_config=dict(kv_n_heads=2, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2),
+        d_model=64,  # by its own name: the class copies it into ffn_config before the alias
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    ),
+}
+
+# Attributes set on the built config (model_type -> {dotted attribute: value}), for what the
+# config classes drop from their keyword arguments but the published configs have.
+ATTRIBUTES: dict[str, dict] = {
+    # DBRX's attention reads attn_config.rope_theta (500000 in the published config), which
+    # transformers' attention config class does not keep
+    "dbrx": {"attn_config.rope_theta": 500000.0},
 }
 
 # Families that are not compared, and why.
@@ -196,6 +229,8 @@ def _shrink(config_cls, overrides: dict) -> dict:
         if name in accepted and (name == "text_config" or "vision" in name):
             if isinstance(sub_cls, type) and dataclasses.is_dataclass(sub_cls):
                 kwargs[name] = _shrink(sub_cls, overrides.get(name, {}))
+        elif name in overrides:  # other sub-configs: the override as given
+            kwargs[name] = overrides[name]
     kwargs.update({k: v for k, v in overrides.items() if k not in subs})
     if "vocab_size" in accepted:
         kwargs["vocab_size"] = hfm.VOCAB
@@ -208,7 +243,14 @@ def tiny_config(family: str):
 
     family, extra = VARIANTS.get(family, (family, {}))
     config_cls = CONFIG_MAPPING[EXTRA.get(family, family)]
-    return config_cls(**_shrink(config_cls, {**OVERRIDES.get(family, {}), **extra}))
+    config = config_cls(**_shrink(config_cls, {**OVERRIDES.get(family, {}), **extra}))
+    for dotted, value in ATTRIBUTES.get(family, {}).items():
+        *path, name = dotted.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, name, value)
+    return config
 
 
 # ------------------------------------------------------------------------------------ running

@@ -16,6 +16,26 @@ reference, applied to mlx-lm's classes without forking their files.
   (`hidden_act`, `activation_function`); mlx-lm hard-codes one (tanh-approximate GELU for
   GPT-NeoX, whose checkpoints use the exact one; exact GELU for GPT-BigCode, whose use the
   tanh approximation).
+- glm: rotary embeddings on the first `partial_rotary_factor` of each head (0.5 in GLM-4's
+  configs, transformers' default), interleaved; mlx-lm's GLM rotates the whole head.
+- ernie4_5_moe: experts chosen by the softmax scores plus the checkpoint's
+  `moe_statics.e_score_correction_bias` (weighted by the scores alone), as transformers and the
+  ERNIE 4.5 MoE releases do; mlx-lm's sanitize drops the bias and routes by the scores. Kept
+  when the config sets `moe_score_correction` (conversion sets it: transformers always routes
+  so), so directories converted by mlx-lm, which lack the tensor, load as before.
+- nemotron_h: the Mamba-2 step size clamped to [`time_step_min`, inf), as transformers' mixer
+  does (it ignores `time_step_limit`); mlx-lm's clamps to `time_step_limit` ([0, inf) in the
+  published configs), so small steps differed.
+- jamba: expert weights are the softmax over all experts' router logits at the chosen experts,
+  not renormalised, as transformers and the Jamba releases compute them; mlx-lm's takes the
+  softmax over the chosen experts' logits only. Applied when the config sets
+  `router_softmax_all` (conversion sets it: transformers always routes so).
+- nanochat: the RMS norms use the config's `rms_norm_eps` (1e-6 in transformers' configs);
+  mlx-lm's hard-code 1e-5.
+- YaRN rotary embeddings with `truncate: false` (GPT-OSS's configs): transformers keeps the
+  correction range unrounded; mlx-lm's YarnRoPE always floors and ceils it, shifting the
+  interpolation ramp of every rotary frequency between the two. The frequencies are recomputed
+  unrounded for such configs (any family, through `initialize_rope`).
 
 Each fix adds the config fields it reads to the family's `ModelArgs` (so conversion keeps them in
 config.json) and changes nothing when a config does not set them: such a model runs exactly as
@@ -42,6 +62,12 @@ FIXED = {
     "phimoe": "a sliding window on every layer",
     "minicpm3": "the logit scaling with tied embeddings",
     "gpt_bigcode": "the configured MLP activation",
+    "glm": "rotary embeddings on the configured part of each head",
+    "ernie4_5_moe": "expert choice with the score-correction bias",
+    "nemotron_h": "the Mamba step-size floor time_step_min",
+    "jamba": "expert weights from the softmax over all experts",
+    "nanochat": "the configured RMS-norm epsilon",
+    "gpt_oss": "YaRN without rounding the correction range (truncate: false)",
 }
 
 # transformers model_type whose window covers every layer -> (mlx-lm module, its inner model
@@ -74,8 +100,14 @@ def install() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
+    _fix_yarn_truncate()
     _fix_gemma2()
     _fix_minicpm3()
+    _fix_glm()
+    _fix_ernie4_5_moe()
+    _fix_nemotron_h()
+    _fix_jamba()
+    _fix_nanochat()
     for module, inner in sorted(set(UNIFORM_WINDOW.values())):
         _fix_uniform_window(module, inner)
     _fix_activation("gpt_neox", lambda m, x, act: m.dense_4h_to_h(act(m.dense_h_to_4h(x))))
@@ -277,3 +309,185 @@ def _fix_minicpm3() -> None:
         return self.model.embed_tokens.as_linear(out)
 
     minicpm3.Model.__call__ = __call__
+
+
+# ------------------------------------------------------------------------- yarn (truncate)
+
+
+def _yarn_freqs(rope, cfg: dict, base: float):
+    """mlx-lm YarnRoPE frequencies (1 / inverse frequency) with the correction range unrounded,
+    as transformers computes them when the config says `truncate: false`."""
+    import math
+
+    dims = rope.dims
+    original = cfg.get("original_max_position_embeddings", 4096)
+
+    def correction_dim(rotations):
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(correction_dim(cfg.get("beta_fast", 32)), 0)
+    high = min(correction_dim(cfg.get("beta_slow", 1)), dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    mask = 1.0 - ramp
+    extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    inter = cfg["factor"] * extra
+    return (inter * extra) / (inter * mask + extra * (1 - mask))
+
+
+def _fix_yarn_truncate() -> None:
+    import sys
+
+    from mlx_lm.models import rope_utils
+
+    original = rope_utils.initialize_rope
+
+    def initialize_rope(dims, base, traditional, scaling_config=None, *a, **k):
+        rope = original(dims, base, traditional, scaling_config, *a, **k)
+        cfg = scaling_config or {}
+        if isinstance(rope, rope_utils.YarnRoPE) and cfg.get("truncate") is False:
+            rope._freqs = _yarn_freqs(rope, cfg, base)
+        return rope
+
+    rope_utils.initialize_rope = initialize_rope
+    # modules imported before this bound the original function by name
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "initialize_rope", None) is (
+            original
+        ):
+            module.initialize_rope = initialize_rope
+
+
+# --------------------------------------------------------------------------------------- glm
+
+
+def _fix_glm() -> None:
+    from mlx_lm.models import glm
+
+    _extend_args(glm, partial_rotary_factor=float)
+    attention_init = glm.GLMAttention.__init__
+
+    def __init__(self, args, *a, **k):
+        attention_init(self, args, *a, **k)
+        factor = getattr(args, "partial_rotary_factor", None)
+        if factor is not None:
+            dims = int(self.head_dim * factor)
+            self.rope = nn.RoPE(dims=dims, traditional=True, base=args.rope_theta)
+
+    glm.GLMAttention.__init__ = __init__
+
+
+# ------------------------------------------------------------------------------ ernie4_5_moe
+
+
+def _fix_ernie4_5_moe() -> None:
+    from mlx_lm.models import ernie4_5_moe as ernie
+
+    _extend_args(ernie, moe_score_correction=bool)
+    mlp_init, mlp_call = ernie.Ernie4_5_MoeMLP.__init__, ernie.Ernie4_5_MoeMLP.__call__
+    sanitize = ernie.Model.sanitize
+
+    def __init__(self, args, *a, **k):
+        mlp_init(self, args, *a, **k)
+        if getattr(args, "moe_score_correction", None):
+            self.e_score_correction_bias = mx.zeros((args.moe_num_experts,))
+
+    def __call__(self, x):
+        if "e_score_correction_bias" not in self:
+            return mlp_call(self, x)
+        scores = self.gate_act(self.gate(x).astype(mx.float32))
+        k = self.k
+        choice = scores + self.e_score_correction_bias.astype(mx.float32)
+        inds = mx.stop_gradient(mx.argpartition(-choice, kth=k - 1, axis=-1)[..., :k])
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        weights = weights / mx.maximum(weights.sum(axis=-1, keepdims=True), 1e-12)
+        y = self.switch_mlp(x, inds)
+        y = (y * weights[..., None]).sum(axis=-2).astype(y.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def _sanitize(self, weights):
+        if not getattr(self.args, "moe_score_correction", None):
+            return sanitize(self, weights)
+        # the checkpoint's name, or (reloading a converted directory) the parameter's own
+        kept = {}
+        for suffix in (".mlp.moe_statics.e_score_correction_bias", ".mlp.e_score_correction_bias"):
+            for name in [k for k in weights if k.endswith(suffix)]:
+                layer = name.removesuffix(suffix)
+                kept[layer + ".mlp.e_score_correction_bias"] = weights.pop(name).reshape(-1)
+        out = sanitize(self, weights)
+        out.update(kept)
+        return out
+
+    ernie.Ernie4_5_MoeMLP.__init__ = __init__
+    ernie.Ernie4_5_MoeMLP.__call__ = __call__
+    ernie.Model.sanitize = _sanitize
+
+
+# -------------------------------------------------------------------------------- nemotron_h
+
+
+def _fix_nemotron_h() -> None:
+    from mlx_lm.models import nemotron_h
+
+    mixer_init = nemotron_h.NemotronHMamba2Mixer.__init__
+
+    def __init__(self, args, *a, **k):
+        mixer_init(self, args, *a, **k)
+        if getattr(args, "time_step_min", None) is not None:
+            self.time_step_limit = (float(args.time_step_min), float("inf"))
+
+    nemotron_h.NemotronHMamba2Mixer.__init__ = __init__
+
+
+# ------------------------------------------------------------------------------------- jamba
+
+
+def _fix_jamba() -> None:
+    from mlx_lm.models import jamba
+
+    _extend_args(jamba, router_softmax_all=bool)
+    block_init, block_call = jamba.JambaSparseMoeBlock.__init__, jamba.JambaSparseMoeBlock.__call__
+
+    def __init__(self, args, *a, **k):
+        block_init(self, args, *a, **k)
+        object.__setattr__(self, "_softmax_all", bool(getattr(args, "router_softmax_all", None)))
+
+    def __call__(self, x):
+        if not getattr(self, "_softmax_all", False):
+            return block_call(self, x)
+        probs = mx.softmax(self.router(x).astype(mx.float32), axis=-1, precise=True)
+        k = self.num_experts_per_tok
+        inds = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
+        scores = mx.take_along_axis(probs, inds, axis=-1).astype(x.dtype)
+        y = self.switch_mlp(x, inds)
+        return (y * scores[..., None]).sum(axis=-2)
+
+    jamba.JambaSparseMoeBlock.__init__ = __init__
+    jamba.JambaSparseMoeBlock.__call__ = __call__
+
+
+# ---------------------------------------------------------------------------------- nanochat
+
+
+def _fix_nanochat() -> None:
+    from mlx_lm.models import nanochat
+
+    _extend_args(nanochat, rms_norm_eps=float)
+    model_call = nanochat.Model.__call__
+    eps = [1e-5]  # the epsilon of the model being traced (mlx-lm's value by default)
+
+    def rms_norm(x):
+        return mx.fast.rms_norm(x, None, eps[0])
+
+    def __call__(self, *a, **k):
+        eps[0] = getattr(self.args, "rms_norm_eps", None) or 1e-5
+        try:
+            return model_call(self, *a, **k)
+        finally:
+            eps[0] = 1e-5
+
+    nanochat.rms_norm = rms_norm
+    nanochat.Model.__call__ = __call__
