@@ -9,6 +9,13 @@ into the names and shapes it does, before that sanitize runs.
 - longcat_flash: transformers' class allocates gate/up projections for the zero-computation
   experts too (indices from `n_routed_experts` on), which compute nothing (they return their
   input) and which the published checkpoints do not have: dropped.
+- olmo_hybrid: the OLMo-Hybrid checkpoint names transformers writes (`attention_layer_norm`,
+  `feedforward_layer_norm`) renamed to those mlx-lm's layers hold (`input_layernorm`,
+  `post_attention_layernorm`), and the gated-delta short convolution split into its query, key
+  and value parts by the widths the config gives: transformers holds it as one `conv1d` and
+  writes it back as three equal thirds, not at the query/key/value boundaries (the checkpoints
+  it loads have the right widths; either way the channels are in order, so rejoining and
+  splitting recovers them).
 - nanochat: transformers' names (`model.layers.N.self_attn.q_proj`, `mlp.fc1`, ...) renamed to
   the original nanochat names mlx-lm's model holds (`transformer.h.N.attn.c_q`, `mlp.c_fc`, ...).
 """
@@ -74,8 +81,43 @@ def _nanochat(config: dict, weights: dict) -> dict:
     return out
 
 
+_CONV = re.compile(r"^(.*\.linear_attn\.)(?:([qkv])_)?conv1d\.weight$")
+
+
+def _olmo_hybrid(config: dict, weights: dict) -> dict:
+    key = (config.get("linear_num_key_heads") or 0) * (config.get("linear_key_head_dim") or 0)
+    value = (config.get("linear_num_value_heads") or 0) * (config.get("linear_value_head_dim") or 0)
+    out, convs = {}, {}
+    for name, tensor in weights.items():
+        match = _CONV.match(name)
+        if match:
+            convs.setdefault(match.group(1), {})[match.group(2) or "qkv"] = tensor
+            continue
+        name = name.replace(".attention_layer_norm.", ".input_layernorm.")
+        out[name.replace(".feedforward_layer_norm.", ".post_attention_layernorm.")] = tensor
+    for prefix, parts in convs.items():
+        if "qkv" in parts:
+            whole = parts["qkv"]
+        elif set(parts) == {"q", "k", "v"}:
+            whole = mx.concatenate([parts["q"], parts["k"], parts["v"]], axis=0)
+        else:  # an incomplete set: left for the missing-tensor check to name
+            out.update({f"{prefix}{p}_conv1d.weight": t for p, t in parts.items()})
+            continue
+        if not key or not value or whole.shape[0] != 2 * key + value:
+            out[f"{prefix}conv1d.weight"] = whole  # unexpected: refused as an unknown tensor
+            continue
+        for part, start, size in (("q", 0, key), ("k", key, key), ("v", 2 * key, value)):
+            out[f"{prefix}{part}_conv1d.weight"] = mx.contiguous(whole[start : start + size])
+    return out
+
+
 # model_type -> rewrite of the checkpoint's tensors (applied before mlx-lm's sanitize)
-LAYOUTS = {"gpt_oss": _gpt_oss, "longcat_flash": _longcat_flash, "nanochat": _nanochat}
+LAYOUTS = {
+    "gpt_oss": _gpt_oss,
+    "longcat_flash": _longcat_flash,
+    "nanochat": _nanochat,
+    "olmo_hybrid": _olmo_hybrid,
+}
 
 
 def rewrite(config: dict, weights: dict) -> dict:

@@ -65,6 +65,9 @@ def _moe_layers(cfg: dict):
     return [i >= first for i in range(cfg["num_hidden_layers"])]
 
 
+# An IMPLIED value meaning "the key set to null" (a required field whose value is None).
+NULL = object()
+
 # Family -> mlx-lm fields that transformers' model of that family does not read from its config
 # but hard-codes or computes: the values it computes with, filled where the config lacks them
 # (configs written by transformers' own classes leave these keys out).
@@ -87,6 +90,22 @@ IMPLIED = {
         partial_rotary_factor=1.0,
     ),
     "glm_moe_dsa": lambda c: dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1),
+    # MiMo-V2-Flash: DeepSeek-V3 routing without shared experts; the sliding layers have twice
+    # the key/value heads and attention sinks, the full ones neither; one head size for both
+    "mimo_v2_flash": lambda c: dict(
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        n_shared_experts=NULL,
+        moe_layer_freq=[int(m) for m in _moe_layers(c)],
+        layernorm_epsilon=c.get("rms_norm_eps"),
+        swa_rope_theta=c.get("rope_local_base_freq"),
+        swa_num_attention_heads=c.get("num_attention_heads"),
+        swa_num_key_value_heads=2 * c["num_key_value_heads"],
+        swa_head_dim=c.get("head_dim"),
+        swa_v_head_dim=c.get("v_head_dim"),
+        add_swa_attention_sink_bias=True,
+        add_full_attention_sink_bias=False,
+    ),
     # expert weights from the softmax over all experts (a load-time fix)
     "jamba": lambda c: dict(router_softmax_all=True),
     # experts chosen with the score-correction bias (a load-time fix keeps it)
@@ -142,6 +161,11 @@ def normalize_config(config: dict) -> dict:
         raise ConversionError(
             "llama4_text: not converted: mlx-lm's llama4_text is the dense variant; this config "
             f"has mixture-of-experts layers {config['moe_layers']}"
+        )
+    if family == "recurrent_gemma" and config.get("num_key_value_heads", 1) != 1:
+        raise ConversionError(
+            "recurrent_gemma: mlx-lm's RecurrentGemma has one key/value head; this config has "
+            f"{config['num_key_value_heads']}"
         )
     if family == "lfm2" and "conv" not in (config.get("layer_types") or ["conv"]):
         raise ConversionError("lfm2: no short-convolution layer: mlx-lm's LFM2 needs at least one")
@@ -311,7 +335,10 @@ def _fill_fields(config: dict, args_cls) -> None:
     if implied is not None:
         names = {f.name for f in fields}
         for name, value in implied(config).items():
-            if name in names and config.get(name) is None and value is not None:
+            if value is NULL:
+                if name in names:
+                    config.setdefault(name, None)
+            elif name in names and config.get(name) is None and value is not None:
                 config[name] = value
     for name, derive in DERIVED.items():
         if name not in config and any(f.name == name for f in fields):
@@ -356,6 +383,9 @@ def _normalize_sliding_pattern(cfg: dict, args_cls=None) -> None:
                 raise ConversionError(f"{family}: {_not_periodic(types)}")
             cfg["sliding_window_pattern"] = period
         return
+    if _takes(args_cls, "hybrid_layer_pattern"):
+        _hybrid_pattern(cfg, sliding, window)
+        return
     if not any(sliding) or window is None:
         return
     if _takes(args_cls, "layer_types"):
@@ -375,6 +405,37 @@ def _normalize_sliding_pattern(cfg: dict, args_cls=None) -> None:
             f"{family}: {sum(sliding)} layer(s) use a sliding window of {window} tokens but "
             "mlx-lm's model has no sliding window; its logits would differ past that length"
         )
+
+
+def _hybrid_pattern(cfg: dict, sliding: list[bool], window) -> None:
+    """MiMo-V2-Flash's form: `hybrid_layer_pattern` (1 marks a sliding layer) and the window
+    `sliding_window_size`, which mlx-lm's model reads as the number of keys attended to, as
+    transformers' `sliding_window`. The model finds one layer of each kind and rotates the same
+    part of every head."""
+    family = cfg.get("model_type")
+    if window is None and isinstance(cfg.get("sliding_window_size"), int):
+        # the released configs' name: transformers attends to that many tokens plus the query
+        window = cfg["sliding_window"] = cfg["sliding_window_size"] + 1
+    if all(sliding) or not any(sliding) or not isinstance(window, int):
+        raise ConversionError(
+            f"{family}: mlx-lm's model needs both sliding-window and full-attention layers "
+            f"(and a window); this config has {sum(sliding)} sliding of {len(sliding)}"
+        )
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        factors = {
+            (params.get(kind) or {}).get("partial_rotary_factor") for kind in (SLIDING, FULL)
+        }
+        if len(factors) > 1:
+            raise ConversionError(
+                f"{family}: the sliding and full layers rotate different parts of each head "
+                f"({sorted(factors, key=str)}); mlx-lm's model rotates one"
+            )
+    rotary = _rotary_dim(cfg)
+    if rotary is not None and rotary % 2:
+        raise ConversionError(f"{family}: {rotary} rotary dimensions per head: mlx-lm needs even")
+    cfg["hybrid_layer_pattern"] = [int(s) for s in sliding]
+    cfg["sliding_window_size"] = window
 
 
 def _refuse_uniform_window(cfg: dict, args_cls) -> None:
@@ -402,8 +463,10 @@ def _refuse_uniform_window(cfg: dict, args_cls) -> None:
 
 
 def _reference_reads_window(cfg: dict) -> bool:
-    """Whether transformers' model of the family has a sliding window at all (Llama's does not:
-    a `sliding_window` in a Llama config changes nothing there). Unknown families: assume so."""
+    """Whether transformers' model of the family has a sliding window at all: its config class
+    declares `sliding_window` and its modeling code reads it (Llama's class does not declare it;
+    Nemotron-H's declares it but its model never reads it: a window changes nothing in either).
+    Unknown families: assume so."""
     try:
         from transformers import CONFIG_MAPPING
     except ImportError:  # pragma: no cover - transformers comes with mlx-lm
@@ -414,10 +477,31 @@ def _reference_reads_window(cfg: dict) -> bool:
     declared = {}
     for klass in reversed(config_cls.__mro__):
         declared.update(getattr(klass, "__annotations__", {}))
-    return (
-        "sliding_window" in declared
-        or "sliding_window" in inspect.signature(config_cls.__init__).parameters
-    )
+    if (
+        "sliding_window" not in declared
+        and "sliding_window" not in inspect.signature(config_cls.__init__).parameters
+    ):
+        return False
+    source = _modeling_source(config_cls)
+    return source is None or "sliding_window" in source
+
+
+def _modeling_source(config_cls) -> str | None:
+    """The text of transformers' modeling module beside `config_cls`'s, or None when not found
+    (read, not imported: importing a modeling module is slow)."""
+    import importlib.util
+
+    package, _, name = config_cls.__module__.rpartition(".")
+    if not name.startswith("configuration_"):
+        return None
+    try:
+        spec = importlib.util.find_spec(f"{package}.modeling_{name.removeprefix('configuration_')}")
+        if spec is None or not spec.origin:
+            return None
+        with open(spec.origin, encoding="utf-8") as handle:
+            return handle.read()
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def _period(cfg: dict, sliding: list[bool]) -> int | None:

@@ -58,24 +58,18 @@ QUANT_FAMILIES = ("llama", "qwen3", "gemma2", "qwen3_moe")
 # Sizes of the tiny checkpoints, set wherever the family's config class has the attribute
 # (aliases in the class's attribute_map included). Everything else keeps the class default.
 SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
+    **hfm.TINY,
     ffn_hidden_size=128,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
     max_position_embeddings=256,
     sliding_window=WINDOW,
     # mixture of experts
-    moe_intermediate_size=32,
+    **hfm.TINY_EXPERTS,
     shared_expert_intermediate_size=32,
     expert_intermediate_size=32,
     num_local_experts=4,
     num_experts=4,
-    n_routed_experts=4,
     moe_num_experts=4,
-    num_experts_per_tok=2,
     moe_k=2,
     moe_topk=2,
     n_group=1,
@@ -146,6 +140,11 @@ OVERRIDES: dict[str, dict] = {
         mamba_head_dim=16,
         moe_shared_expert_intermediate_size=32,
     ),
+    # MiMo-V2-Flash rotates a third of each head (64 of 192 dims published; 8 of 24 here: the
+    # tiny default of 16 would rotate an odd 5)
+    "mimo_v2_flash": dict(head_dim=24),
+    # RecurrentGemma's attention has one key/value head, as its published configs say
+    "recurrent_gemma": dict(num_key_value_heads=1),
     # DBRX keeps its attention and expert settings in nested configs
     "dbrx": dict(
         attn_config=dict(kv_n_heads=2, clip_qkv=8.0),

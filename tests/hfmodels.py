@@ -24,20 +24,25 @@ VOCAB = tm.tokenizer_size()
 INDEX_NAME = "model.safetensors.index.json"
 MTP_SHARD = "model-mtp.safetensors"
 
+# The 64-wide tiny transformer (shared with the conformance matrix's checkpoints): attention
+# sizes, and the sizes of a mixture of experts.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+TINY_EXPERTS = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
+
 # Tiny configs for transformers' own config classes (model_type -> kwargs).
 CONFIGS = {
     "glm4_moe": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
+        **TINY,
+        **TINY_EXPERTS,
         num_hidden_layers=2,
         first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         partial_rotary_factor=0.5,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
         n_shared_experts=1,
         tie_word_embeddings=False,
     ),

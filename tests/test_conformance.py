@@ -216,39 +216,45 @@ def test_full_matrix(request):
     assert all(cm.quant_ok(r) for r in results)
 
 
-def test_gemma_legacy_gelu_means_tanh(tmp_path):
-    """Gemma's published configs say `hidden_act: "gelu"` and mean the tanh approximation
-    (transformers rewrites it); the converted model computes the same as transformers."""
-    import json
-
+def _edited_config_matches(tmp_path, family: str, **edits) -> None:
+    """Write the tiny `family` checkpoint, set `edits` in its config.json, and check that its
+    conversion computes what transformers computes from the edited checkpoint."""
     from convert import convert_checkpoint
 
     from transformers import AutoModelForCausalLM
 
-    source, _ = cm.write_checkpoint("gemma", tmp_path / "hf")
-    config = json.loads((source / "config.json").read_text())
-    config["hidden_act"] = "gelu"
-    (source / "config.json").write_text(json.dumps(config))
-    reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
-    model, _ = mlx_spec.load(str(dest))
+    source, _ = cm.write_checkpoint(family, tmp_path / "hf")
+    hfm.edit_config(source, **edits)
+    with cm._quiet():
+        reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+        dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+        model, _ = mlx_spec.load(str(dest))
     ids = cm.token_ids()
-    max_diff, first = cm.compare(cm.mlx_logits(model, ids), hfm.hf_logits(reference, ids))
-    assert max_diff <= cm.ATOL and first is None
+    with torch.no_grad():
+        want = hfm.hf_logits(reference, ids)
+    max_diff, first = cm.compare(cm.mlx_logits(model, ids), want)
+    assert max_diff <= cm.ATOL and first is None, (max_diff, first)
 
 
-def test_window_the_reference_ignores_is_ignored(tmp_path):
-    """A `sliding_window` in a Llama config (transformers' Llama has no window) converts, and the
-    model attends to the whole context as transformers' does."""
-    import json
+def test_gemma_legacy_gelu_means_tanh(tmp_path):
+    """Gemma's published configs say `hidden_act: "gelu"` and mean the tanh approximation
+    (transformers rewrites it); the converted model computes the same as transformers."""
+    _edited_config_matches(tmp_path, "gemma", hidden_act="gelu")
 
-    from convert import convert_checkpoint
 
-    source, torch_model = cm.write_checkpoint("llama", tmp_path / "hf")
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
-    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
-    model, _ = mlx_spec.load(str(dest))
-    ids = cm.token_ids()
-    max_diff, first = cm.compare(cm.mlx_logits(model, ids), hfm.hf_logits(torch_model, ids))
-    assert max_diff <= cm.ATOL and first is None
+@pytest.mark.parametrize("family", ["llama", "nemotron_h"])
+def test_window_the_reference_ignores_is_ignored(tmp_path, family):
+    """A `sliding_window` where transformers' model has none (Llama's config class has no such
+    field; Nemotron-H's has one its model never reads) converts, and the model attends to the
+    whole context as transformers' does."""
+    _edited_config_matches(tmp_path, family, sliding_window=4)
+
+
+def test_reference_window_is_read_from_the_model():
+    """Whether transformers applies a window follows its modeling code, not its config class."""
+    from convert.normalize import _reference_reads_window
+
+    assert not _reference_reads_window({"model_type": "llama"})  # no field at all
+    assert not _reference_reads_window({"model_type": "nemotron_h"})  # a field, never read
+    assert _reference_reads_window({"model_type": "mistral"})
+    assert _reference_reads_window({"model_type": "not_a_family"})  # unknown: assume a window
