@@ -128,27 +128,6 @@ def test_window_on_every_layer_is_exact(tmp_path):
     assert cm.run_family("mistral/no-window", tmp_path).status == "exact"
 
 
-def test_mistral_speculative_decoding_past_the_window(tmp_path):
-    """Mistral with a window of 8 on every layer: plain greedy decoding equals transformers'
-    argmax at every step past the window, and speculative decoding (n-gram drafts, rolled back
-    often) and the batch engine give the same tokens."""
-    from convert import convert_checkpoint
-
-    source, torch_model = cm.write_checkpoint("mistral", tmp_path / "hf")
-    dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
-    model, tokenizer = mlx_spec.load(str(dest))
-    tokenizer.eos_token_ids = set()  # fixed-length generations
-    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
-    plain = mlx_spec.generate(model, tokenizer, prompt, max_tokens=24).tokens
-    spec = mlx_spec.generate(
-        model, tokenizer, prompt, drafter="ngram", num_draft=3, max_tokens=24
-    ).tokens
-    assert spec == plain
-    reference = hfm.hf_logits(torch_model, prompt + plain[:-1]).argmax(-1)[len(prompt) - 1 :]
-    assert list(reference) == plain
-    _batch_engine_agrees(model, tokenizer, prompt, plain, windows={cm.WINDOW})
-
-
 def test_original_config_kept(tmp_path):
     """conversion.json keeps the checkpoint's config.json as written (renamed keys included)."""
     import json
@@ -163,13 +142,19 @@ def test_original_config_kept(tmp_path):
     assert json.loads((out / "config.json").read_text())["num_experts"] == 4
 
 
-def test_gemma2_speculative_decoding_past_the_window(tmp_path):
-    """Gemma 2 with a sliding window of 8: greedy tokens from plain decoding equal transformers'
-    argmax at every step, and speculative decoding (n-gram drafts, rejected often, so sliding
-    caches are rolled back) gives the same tokens."""
+@pytest.mark.parametrize(
+    "family, windows",
+    [("mistral", {cm.WINDOW}), ("gemma2", {cm.WINDOW, None})],
+    ids=["mistral-every-layer", "gemma2-alternate-layers"],
+)
+def test_speculative_decoding_past_the_window(tmp_path, family, windows):
+    """A sliding window of 8 (Mistral: every layer; Gemma 2: alternate layers, fixed at load
+    time): plain greedy decoding equals transformers' argmax at every step past the window, and
+    speculative decoding (n-gram drafts, rejected often, so the sliding caches are rolled back)
+    and the batch engine give the same tokens."""
     from convert import convert_checkpoint
 
-    source, torch_model = cm.write_checkpoint("gemma2", tmp_path / "hf")
+    source, torch_model = cm.write_checkpoint(family, tmp_path / "hf")
     dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
     model, tokenizer = mlx_spec.load(str(dest))
     tokenizer.eos_token_ids = set()  # fixed-length generations
@@ -181,7 +166,7 @@ def test_gemma2_speculative_decoding_past_the_window(tmp_path):
     assert spec == plain
     reference = hfm.hf_logits(torch_model, prompt + plain[:-1]).argmax(-1)[len(prompt) - 1 :]
     assert list(reference) == plain
-    _batch_engine_agrees(model, tokenizer, prompt, plain, windows={cm.WINDOW, None})
+    _batch_engine_agrees(model, tokenizer, prompt, plain, windows=windows)
 
 
 def test_mlx_spec_installs_the_load_time_fixes():
