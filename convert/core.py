@@ -137,14 +137,17 @@ def _sanitized(model: nn.Module, weights: dict) -> dict:
     models written against base-model checkpoints do not know the prefix a causal-LM class adds."""
     sanitize = getattr(model, "sanitize", None)
     names = _names(model)
-    out = _stack_experts(sanitize(dict(weights)) if sanitize else weights, names)
+
+    def fit(named: dict) -> dict:
+        return _stack_experts(sanitize(dict(named)) if sanitize else named, names)
+
+    out = fit(weights)
     if set(out) <= names:  # (sanitize may drop parameters, e.g. an untied head)
         return out
     heads = {name.split(".", 1)[0] for name in weights if "." in name}
     for prefix in sorted(heads - {"model", "lm_head"}):
         cut = len(prefix) + 1
-        stripped = {k[cut:] if k.startswith(prefix + ".") else k: v for k, v in weights.items()}
-        retry = _stack_experts(sanitize(dict(stripped)) if sanitize else stripped, names)
+        retry = fit({k[cut:] if k.startswith(prefix + ".") else k: v for k, v in weights.items()})
         if set(retry) <= names:
             return retry
     return out
