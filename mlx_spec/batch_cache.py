@@ -273,6 +273,24 @@ class BatchCache:
             mine.offset = mx.array(mine.lengths, mx.int32)
         return out
 
+    def copy(self) -> BatchCache:
+        """An independent copy: writes to either (a pass, a truncation) leave the other as it
+        was. The arrays themselves are shared until one side writes."""
+        out = BatchCache.__new__(BatchCache)
+        out.groups = {}
+        for window, group in self.groups.items():
+            mine = _Positions(group.batch, window)
+            mine.pos, mine.offset = mx.array(group.pos), mx.array(group.offset)
+            mine.lengths, mine.idx = list(group.lengths), group.idx
+            out.groups[window] = mine
+        out.layers = []
+        for layer in self.layers:
+            twin = BatchLayerCache(out.groups[layer.positions.window])
+            if layer.keys is not None:
+                twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
+            out.layers.append(twin)
+        return out
+
     def compact(self) -> None:
         """Squeeze the empty columns out (each row's tokens moved to the front, in order)."""
         for group in self.groups.values():

@@ -140,11 +140,19 @@ class _RowItem:
 
 class RowCache(_LRU):
     """The prompt cache of the batching engine: finished rows' caches (the target's one-row
-    `BatchCache`, the drafters' states), least recently used first out."""
+    `BatchCache`, the drafters' states), least recently used first out.
+
+    An entry whose whole sequence a new prompt continues (a conversation's next turn) is handed
+    out and leaves the cache; one the prompt shares only a part of (the same system prompt or
+    document with a different question, the same prompt asked again) is copied, cut back to
+    the shared part, and stays for the next request that shares it. An entry whose sequence a
+    newer one continues is dropped when the newer one comes in: it can serve nothing the newer
+    one cannot.
+    """
 
     def take(self, prompt_ids: Sequence[int]) -> RowEntry | None:
-        """The entry that saves `prompt_ids` the most prefill, removed from the cache and cut
-        back to what the prompt shares (its last token is always prefilled anew), or None."""
+        """The entry that saves `prompt_ids` the most prefill, cut back to what the prompt
+        shares (its last token is always prefilled anew), or None."""
         best, best_reuse, best_common = None, 0, 0
         for item in self._entries:
             common = common_prefix(item.tokens, prompt_ids)
@@ -154,14 +162,41 @@ class RowCache(_LRU):
         if best is None:
             self.counts["misses"] += 1
             return None
+        if best_common < len(best.tokens):  # a part of it: a copy, the entry stays
+            self.counts["hits"] += 1
+            self.counts["reused_tokens"] += best_reuse
+            self._entries.remove(best)
+            self._entries.append(best)  # most recently used
+            cache = best.cache.copy()
+            cache.truncate([best_reuse])
+            cache.compact()
+            states = {k: None if s is None else s.copy() for k, s in best.states.items()}
+            return RowEntry(cache, best_reuse, states, best_common, best.hidden)
         self._taken(best, best_reuse)
         best.cache.truncate([best_reuse])
         return RowEntry(best.cache, best_reuse, best.states, best_common, best.hidden)
 
     def put(self, tokens: list[int], cache, states: dict, hidden=None) -> None:
-        """Keep a finished row's caches."""
+        """Keep a finished row's caches (dropping the entries it continues)."""
         if not self.enabled or not cache.lengths[0]:
             return
+        for item in list(self._entries):
+            if self._subsumes(tokens, cache, states, hidden, item):
+                self._entries.remove(item)
         nbytes = cache.nbytes + sum(getattr(s, "nbytes", 0) for s in states.values() if s)
         nbytes += 0 if hidden is None else hidden.nbytes
         self._add(_RowItem(list(tokens), cache, states, hidden, nbytes))
+
+    @staticmethod
+    def _subsumes(tokens, cache, states, hidden, item: _RowItem) -> bool:
+        """Whether a new entry serves every prompt `item` serves, as well: its sequence
+        continues item's, it can be cut back to item's length, and it keeps every drafter
+        state and the hidden states item keeps."""
+        n = len(item.tokens)
+        if n > len(tokens) or common_prefix(item.tokens, tokens) < n:
+            return False
+        if not cache.can_truncate(min(n, cache.lengths[0])):
+            return False
+        if any(s is not None and states.get(k) is None for k, s in item.states.items()):
+            return False
+        return item.hidden is None or hidden is not None

@@ -207,6 +207,56 @@ def test_conversation_reuses_the_row_cache(loaded):
     assert engine.row_cache.counts["hits"] == 1
 
 
+def test_copied_cache_is_independent(loaded):
+    """A copy fed, cut back and compacted leaves the original as it was: both go on to give the
+    logits of a fresh pass over their own sequences (gemma3: past its sliding window)."""
+    model = loaded["gemma3"][0]
+    seq = list(range(3, 15))
+    one = BatchCache(model, 1)
+    one.begin([len(seq)])
+    model(mx.array([seq]), cache=one.layers)
+    one.end([len(seq)])
+    before = [mx.array(a) for a in one.state]
+    twin = one.copy()
+    twin.truncate([5])
+    twin.compact()
+    twin.begin([3])
+    got = model(mx.array([[20, 21, 22]]), cache=twin.layers)[0]
+    twin.end([3])
+    assert mx.allclose(got, single_logits(model, seq[:5] + [20, 21, 22])[-3:], atol=1e-4).item()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, one.state, strict=True))
+    one.begin([2])
+    got = model(mx.array([[16, 17]]), cache=one.layers)[0]
+    one.end([2])
+    assert mx.allclose(got, single_logits(model, seq + [16, 17])[-2:], atol=1e-4).item()
+
+
+def test_shared_prefixes_keep_their_entry(loaded):
+    """The same prompt asked again, and a prompt sharing its start, each copy what they share
+    from the first request's entry, which stays for the next one; a turn that continues a whole
+    entry takes it; every answer equals decoding from scratch."""
+    model, tok, draft, _ = loaded["gemma3"]
+    tok = with_eos(tok)
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, row_cache=RowCache())
+    first = [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    base = dict(sampling=SamplingConfig(), max_tokens=12, drafter="draft-model")
+    ((reply, _),) = run_all(engine, [dict(base, prompt=first)])
+    prompts = [first[:8] + [15, 16], first, first, first + reply + [17, 18]]
+    cached = [8, len(first) - 1, len(first) - 1, len(first) + len(reply) - 1]
+    for prompt, want in zip(prompts, cached, strict=True):
+        ((tokens, final),) = run_all(engine, [dict(base, prompt=prompt)])
+        assert tokens == mlx_spec.generate(model, tok, prompt, max_tokens=12).tokens
+        assert final.stats.cached_tokens == want, prompt
+    counts = engine.row_cache.counts
+    assert counts["hits"] == 4 and counts["misses"] == 1
+    # The entries of the repeated prompt were continued by the last turn's, which replaced them.
+    assert sorted(len(item.tokens) for item in engine.row_cache._entries) == [
+        10 + 12,
+        len(prompts[-1]) + 12,
+    ]
+
+
 def test_cancelled_row_leaves_at_once(loaded):
     model, tok, draft, _ = loaded["llama"]
     engine = engine_for(model, with_eos(tok), {"draft-model": BatchDraftModel(draft)})
