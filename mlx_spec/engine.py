@@ -336,18 +336,17 @@ class BatchEngine:
         ids = row.tokens
         if self.context is not None and len(ids) >= self.context:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.context}")
-        entry = None if self.row_cache is None else self.row_cache.take(ids)
+        entry = None
+        if self.row_cache is not None:
+            names = [self.names[a] for a in row.arms]
+            entry = self.row_cache.take(ids, names, row.needs_hidden)
         if entry is None:
             row.prefill, row.fed = BatchCache(self.model, 1), 0
             return
         row.prefill, row.fed = entry.cache, entry.reuse
         row.cached, row.states, row.common = entry.reuse, entry.states, entry.common
-        if row.needs_hidden:
-            if entry.hidden is None or entry.hidden.shape[0] < entry.reuse:
-                row.fed, row.cached = 0, 0  # no hidden states kept: prefill it all again
-                row.prefill.truncate([0])
-            else:
-                row.hidden = [entry.hidden[: entry.reuse]]
+        if row.needs_hidden:  # the entry kept them (`take` saw to it)
+            row.hidden = [entry.hidden[: entry.reuse]]
 
     def _first_token(self, row: _Row, token: int) -> None:
         """Emit the token drawn after the prompt (it joins the sequence, not yet the cache)."""

@@ -150,15 +150,25 @@ class RowCache(_LRU):
     one cannot.
     """
 
-    def take(self, prompt_ids: Sequence[int]) -> RowEntry | None:
+    def take(
+        self, prompt_ids: Sequence[int], drafters: Sequence[str] = (), hidden: bool = False
+    ) -> RowEntry | None:
         """The entry that saves `prompt_ids` the most prefill, cut back to what the prompt
-        shares (its last token is always prefilled anew), or None."""
-        best, best_reuse, best_common = None, 0, 0
+        shares (its last token is always prefilled anew), or None. With `hidden`, only entries
+        that kept the target's hidden states count; among entries that save as much, one
+        holding states for more of `drafters` wins."""
+        best, best_score, best_reuse, best_common = None, (0, 0), 0, 0
         for item in self._entries:
+            if hidden and item.hidden is None:
+                continue
             common = common_prefix(item.tokens, prompt_ids)
             reuse = min(common, len(prompt_ids) - 1, item.cache.lengths[0])
-            if reuse > best_reuse and item.cache.can_truncate(reuse):
-                best, best_reuse, best_common = item, reuse, common
+            if hidden:
+                reuse = min(reuse, item.hidden.shape[0])
+            states = sum(item.states.get(name) is not None for name in drafters)
+            score = (reuse, states)
+            if reuse > 0 and score > best_score and item.cache.can_truncate(reuse):
+                best, best_score, best_reuse, best_common = item, score, reuse, common
         if best is None:
             self.counts["misses"] += 1
             return None

@@ -165,6 +165,25 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
             assert tokens == plain.tokens, (drafter, req["prompt"])
 
 
+def test_mtp_rows_take_entries_with_hidden_states(mtp_target):
+    """A row drafting with the MTP head (it reads the target's hidden states) never takes an
+    entry left by a plain row (none kept): it prefills anew, and its own entry then serves the
+    next MTP turn, which answers as from scratch."""
+    model, tok, head = mtp_target
+    engine = engine_for(model, tok, {"mtp": BatchMTP(head.module)}, row_cache=RowCache())
+    first = [1, 4, 5, 6, 7, 8, 9, 10, 11]
+    plain = dict(sampling=SamplingConfig(), max_tokens=10, num_draft=0)
+    ((reply, _),) = run_all(engine, [dict(plain, prompt=first)])
+    second = first + reply + [12, 13]
+    mtp = dict(plain, drafter="mtp", num_draft="auto")
+    ((reply2, final),) = run_all(engine, [dict(mtp, prompt=second)])
+    assert final.stats.cached_tokens == 0
+    third = second + reply2 + [14]
+    ((tokens, final),) = run_all(engine, [dict(mtp, prompt=third)])
+    assert final.stats.cached_tokens == len(second) + len(reply2) - 1
+    assert tokens == mlx_spec.generate(model, tok, third, max_tokens=10).tokens
+
+
 def test_eos_and_stop_inside_a_batch(loaded):
     """EOS accepted inside a round and a stop string end their rows exactly where the
     single-stream path ends them; the other rows go on."""
