@@ -177,14 +177,17 @@ class ServerProcess:
         self.process = None
 
     def __enter__(self) -> str:
+        # The log goes to a file: a pipe nobody reads would fill and block the server.
+        self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self.command, env=self.env, stdout=subprocess.DEVNULL, stderr=self.log
         )
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.process.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{self.name} exited: {self.log.read()[-2000:]!r}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     return url
@@ -199,6 +202,7 @@ class ServerProcess:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        self.log.close()
 
 
 def spec_server(args, slots: int) -> ServerProcess:
