@@ -14,6 +14,7 @@ from mlx_spec.api import (  # noqa: E402
     generate,
     load,
     load_drafter,
+    load_medusa_drafter,
     load_mtp_drafter,
     stream_generate,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "load",
     "load_drafter",
     "load_gemma4_assistant",
+    "load_medusa_drafter",
     "load_mtp_drafter",
     "stream_generate",
 ]

@@ -17,12 +17,15 @@ from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
+from mlx_spec.drafters.medusa import MedusaDrafter, load_medusa_heads
 from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.models.mtp import target_hidden_size
 from mlx_spec.policy import AdaptiveDraftLength, DraftPolicy, FixedDraftLength, memory_of
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
 from mlx_spec.stopping import StopMatcher
+from mlx_spec.tree import TreeDrafter, TreeTarget, tree_rounds
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,25 +142,52 @@ def load_mtp_drafter(path: str, model: nn.Module) -> Drafter:
     return mtp_drafter.load_mtp_drafter(path, model)
 
 
+def load_medusa_drafter(
+    path: str, *, width: int = 3, tree_size: int | None = None
+) -> MedusaDrafter:
+    """Load Medusa heads (the original Medusa layout or vLLM's) as a tree drafter.
+
+    Args:
+        path: the heads' directory (or weights file), or a converted target directory holding
+            them in `medusa/`.
+        width: candidates per head.
+        tree_size: nodes per tree at most (default: two per level).
+    """
+    source = Path(path)
+    if (source / "medusa").is_dir():
+        source = source / "medusa"
+    return MedusaDrafter(load_medusa_heads(str(source)), width=width, tree_size=tree_size)
+
+
 def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:
     """Load a small draft model (same tokenizer as the target) as a drafter for `drafter=`."""
     model, tokenizer = load(path_or_hub_id, revision=revision)
     return DraftModelDrafter(model, tokenizer)
 
 
-DrafterSpec = Drafter | str | Sequence[Drafter | str] | None
+DrafterSpec = Drafter | TreeDrafter | str | Sequence[Drafter | str] | None
 
 
-def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | None:
-    if drafter is None or isinstance(drafter, Drafter):
+def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDrafter | None:
+    if drafter is None or isinstance(drafter, Drafter | TreeDrafter):
         return drafter
     if not isinstance(drafter, str):  # several: the policy picks one each round
         members = [_resolve_drafter(d, model) for d in drafter]
         if not members or any(m is None for m in members):
             raise ValueError("a list of drafters must name at least one drafter and no None")
+        if any(isinstance(m, TreeDrafter) for m in members) and len(members) > 1:
+            raise ValueError("a tree drafter (Medusa) cannot join a group of drafters")
         return members[0] if len(members) == 1 else DrafterGroup(members)
     if drafter == "ngram":
         return NgramDrafter()
+    if drafter == "medusa":
+        source = getattr(model, SOURCE_ATTR, None)
+        if source is None or not (Path(source) / "medusa").is_dir():
+            raise ValueError(
+                "drafter='medusa' needs a target from mlx_spec.load() with Medusa heads in its "
+                "medusa/ directory; otherwise pass load_medusa_drafter(path)"
+            )
+        return load_medusa_drafter(str(source))
     if drafter == "mtp":
         source = getattr(model, SOURCE_ATTR, None)
         if source is None:
@@ -279,6 +309,26 @@ def stream_generate(
     drafter = _resolve_drafter(drafter, model)
     if num_draft == 0:
         drafter = None
+    stats = SpecStats(
+        drafter=drafter.name if drafter else "none",
+        num_draft=draft_label(num_draft),
+        prompt_tokens=len(ids),
+    )
+    if isinstance(drafter, TreeDrafter):
+        yield from _tree_stream(
+            model,
+            tokenizer,
+            ids,
+            drafter,
+            vocab,
+            sampling,
+            num_draft,
+            max_tokens,
+            seed,
+            stats,
+            stop,
+        )
+        return
     if drafter is not None:
         drafter.check_compatible(model, tokenizer, vocab)
     target = ModelRunner(
@@ -293,12 +343,30 @@ def stream_generate(
     policy = None
     if drafter is not None:
         policy = make_policy(num_draft, max_draft, drafter, model=model, sampling=sampling)
-    stats = SpecStats(
-        drafter=drafter.name if drafter else "none",
-        num_draft=draft_label(num_draft),
-        prompt_tokens=len(ids),
-    )
     yield from _stream(target, drafter, ids, tokenizer, sampling, policy, max_tokens, stats, stop)
+
+
+def _tree_stream(
+    model, tokenizer, ids, drafter, vocab, sampling, num_draft, max_tokens, seed, stats, stop
+) -> Iterator[GenerationChunk]:
+    """`stream_generate` with a tree drafter: every round verifies a tree in one pass; the
+    depth is `num_draft` (at most the drafter's; "auto": the drafter's)."""
+    drafter.check_compatible(target_hidden_size(model), vocab)
+    depth = drafter.max_depth if num_draft == AUTO else min(int(num_draft), drafter.max_depth)
+    target = TreeTarget(model, vocab, keep_hidden=drafter.needs_hidden)
+    if target.context_limit is not None and len(ids) >= target.context_limit:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"
+        )
+    if seed is not None:
+        mx.random.seed(seed)
+    tic = time.perf_counter()
+    drafter.begin(ids, target.prefill(ids[:-1]))
+    stats.prefill_seconds = time.perf_counter() - tic
+    rounds = tree_rounds(
+        target, drafter, ids[-1], sampling=sampling, max_tokens=max_tokens, depth=depth
+    )
+    yield from _emit(rounds, tokenizer, stats, stop, max_tokens)
 
 
 def wrap_tokenizer(tokenizer) -> TokenizerWrapper:

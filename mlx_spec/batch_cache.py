@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 STEP = 256  # columns are allocated in steps of this many
@@ -46,6 +47,10 @@ class _Positions:
         self.lengths = [0] * batch  # the same, as Python ints
         self.idx = 0  # columns in use
         self.chunk = 0  # width of the chunk being fed
+        # A tree being fed (one row): its nodes' depths `[n]` and ancestor mask `[n, n]`, and
+        # the first column it took (until `keep_tree`).
+        self.tree: tuple[mx.array, mx.array] | None = None
+        self.tree_start = 0
 
     @property
     def batch(self) -> int:
@@ -71,12 +76,51 @@ class _Positions:
         self.lengths = [a + b for a, b in zip(self.lengths, lengths, strict=True)]
         self.offset = mx.array(self.lengths, mx.int32)
 
+    def begin_tree(self, depths: Sequence[int], ancestors) -> None:
+        """Reserve columns for a tree fed to a one-row cache: node j at position offset +
+        depths[j], seeing the columns of its ancestors (`ancestors[j, c]`) among the new ones."""
+        if self.batch != 1:
+            raise ValueError("trees are fed to one-row caches")
+        n = len(depths)
+        self.begin([n])
+        depth = mx.array(list(depths), mx.int32)
+        self.pos[:, self.idx : self.idx + n] = self.offset[:, None] + depth[None]
+        self.tree = (depth, mx.array(ancestors))
+        self.tree_start = self.idx
+
+    def end_tree(self) -> None:
+        """The tree was fed; its columns stay until `keep_tree` picks the path that stays."""
+        self.idx += self.chunk
+        self.chunk = 0
+
+    def keep_tree(self, rows: Sequence[int]) -> None:
+        """Keep the tree's nodes `rows` (the root and an accepted path, depths 0, 1, ...): the
+        row then holds len(rows) more tokens; the other nodes' columns become empty."""
+        depth, _ = self.tree
+        n = depth.shape[0]
+        keep = np.zeros(n, dtype=bool)
+        keep[list(rows)] = True
+        start = self.tree_start
+        cols = self.pos[:, start : start + n]
+        self.pos[:, start : start + n] = mx.where(mx.array(keep)[None], cols, EMPTY)
+        self.tree = None
+        self.lengths = [self.lengths[0] + len(rows)]
+        self.offset = mx.array(self.lengths, mx.int32)
+
     def mask(self, n: int, window: int | None) -> mx.array:
         """`[B, 1, n, idx + n]` bool: query j of row i (position offset_i + j) sees the columns
-        holding positions <= its own (and within the window)."""
+        holding positions <= its own (and within the window); a tree's node sees, of the
+        tree's columns, only its ancestors'."""
         pos = self.pos[:, None, : self.idx + n]  # [B, 1, C]
-        query = (self.offset[:, None] + mx.arange(n)[None])[:, :, None]  # [B, n, 1]
+        if self.tree is not None:
+            depth, ancestors = self.tree
+            query = (self.offset[:, None] + depth[None])[:, :, None]  # [1, n, 1]
+        else:
+            query = (self.offset[:, None] + mx.arange(n)[None])[:, :, None]  # [B, n, 1]
         visible = (pos >= 0) & (pos <= query)
+        if self.tree is not None:
+            old = mx.ones((n, self.idx), dtype=mx.bool_)
+            visible = visible & mx.concatenate([old, ancestors], axis=1)[None]
         window = window or self.window
         if window is not None:
             visible = visible & (pos > query - window)
@@ -216,6 +260,21 @@ class BatchCache:
         """Row i keeps its first `lengths[i]` tokens."""
         for group in self.groups.values():
             group.truncate(lengths)
+
+    def begin_tree(self, depths: Sequence[int], ancestors) -> None:
+        """Before a pass over a tree's root and nodes (a one-row cache; see
+        `_Positions.begin_tree`)."""
+        for group in self.groups.values():
+            group.begin_tree(depths, ancestors)
+
+    def end_tree(self) -> None:
+        for group in self.groups.values():
+            group.end_tree()
+
+    def keep_tree(self, rows: Sequence[int]) -> None:
+        """Keep the tree's root and accepted path (`rows`: 0, then node index + 1 each)."""
+        for group in self.groups.values():
+            group.keep_tree(rows)
 
     @property
     def state(self) -> list[mx.array]:

@@ -1,0 +1,425 @@
+"""Tree verification: the target scores a whole tree of drafts in one pass.
+
+A drafter may propose several candidates per position: a `TokenTree` under the pending token
+(the root, the last token of the sequence, not yet in the target's cache). `TreeTarget` feeds
+the root and every node in one pass over a one-row `BatchCache`: node j sits at position
+`offset + depth(j)` and attends to the sequence so far and to its own ancestors only (an
+ancestor mask over the pass's columns; sliding windows stay masks over positions). The
+model's rotary embeddings are given per-node positions by swapping each RoPE module's class
+for a subclass (no fork of mlx-lm's model files, as the hidden-state tap does). After
+verification only the accepted path's columns stay: they hold positions `offset + 1 ..`, so
+the sequence in the cache is contiguous, and the other columns are marked empty (squeezed out
+by a compaction once they are a large part of the cache).
+
+Verification:
+- greedy: the longest path whose tokens equal the target's argmax at their parents, then the
+  target's argmax after it;
+- sampling: multi-candidate speculative sampling (SpecInfer, Miao et al. 2024, Algorithm 2;
+  the same rule as "multi-draft speculative sampling"): at each node its children are tried in
+  turn, child x drawn from q is accepted with probability min(1, p(x) / q(x)); on rejection p
+  becomes norm(max(0, p - q)) before the next child; when every child is rejected the token is
+  drawn from the last residual. Each child must be drawn independently of its siblings (from
+  its own q, or chosen deterministically, which is q one-hot on it); then every emitted token
+  is distributed exactly as the target's sampling distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from mlx_spec.batch_cache import EMPTY, BatchCache, batchable
+from mlx_spec.decode import Round
+from mlx_spec.hidden import tap_hidden
+from mlx_spec.runner import context_limit
+from mlx_spec.sampling import SamplingConfig, logits_to_probs
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+PREFILL_STEP = 512
+
+
+@dataclass
+class TokenTree:
+    """Draft tokens as a tree under the root (the pending token).
+
+    Attributes:
+        tokens: `[N]` node ids.
+        parents: `[N]` each node's parent: -1 for the root, else an earlier node's index.
+        probs: `[N, vocab]` the distribution each node was drawn from, or None: every node was
+            chosen deterministically (one-hot for the verifier).
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    probs: mx.array | None = None
+    depths: list[int] = field(init=False)
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("a tree needs one parent per token")
+        self.depths = []
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent {parent} is not an earlier node or the root")
+            self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        if any(b < a for a, b in zip(self.depths, self.depths[1:], strict=False)):
+            raise ValueError("tree nodes must be ordered by depth (breadth first)")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], probs: mx.array | None = None) -> TokenTree:
+        """A chain of drafts: a tree with one child per node."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), probs)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def children(self) -> list[list[int]]:
+        """Per row (0: the root, 1 + i: node i), its children's node indices in order."""
+        out: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, parent in enumerate(self.parents):
+            out[parent + 1].append(i)
+        return out
+
+    def ancestors(self) -> np.ndarray:
+        """`[N + 1, N + 1]` bool: row r sees row c (rows: the root, then the nodes) when c is r
+        or one of its ancestors."""
+        n = len(self) + 1
+        seen = np.eye(n, dtype=bool)
+        seen[:, 0] = True
+        for i, parent in enumerate(self.parents):
+            seen[i + 1] |= seen[parent + 1]
+        return seen
+
+
+# --- verification --------------------------------------------------------------------------
+
+
+def greedy_tree_verify(logits: mx.array, tree: TokenTree) -> tuple[list[int], int]:
+    """Temperature 0: the accepted path (node indices, root to leaf) and the next token.
+
+    Args:
+        logits: `[N + 1, vocab]` the target's logits at the root and at every node.
+    """
+    best = np.array(mx.argmax(logits, axis=-1)).tolist()
+    children = tree.children()
+    path, row = [], 0
+    while True:
+        match = next((c for c in children[row] if tree.tokens[c] == best[row]), None)
+        if match is None:
+            return path, best[row]
+        path.append(match)
+        row = match + 1
+
+
+def tree_rejection_verify(
+    probs: mx.array, tree: TokenTree, uniforms=None, draw=None
+) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling over the tree (see the module's docstring).
+
+    Args:
+        probs: `[N + 1, vocab]` the target's sampling distributions at the root and the nodes.
+        uniforms: a function returning one U(0, 1) draw (default: MLX's random stream).
+        draw: a function drawing a token from a `[vocab]` numpy distribution (default: MLX's).
+    Returns:
+        (accepted path of node indices, next token).
+    """
+    uniforms = uniforms or (lambda: mx.random.uniform().item())
+    draw = draw or _draw
+    p_all = np.array(probs, dtype=np.float64)
+    q_all = None if tree.probs is None else np.array(tree.probs, dtype=np.float64)
+    children = tree.children()
+    path, row = [], 0
+    while True:
+        p = p_all[row]
+        accepted = None
+        for child in children[row]:
+            x = tree.tokens[child]
+            q_x = 1.0 if q_all is None else q_all[child, x]
+            if q_x > 0 and uniforms() * q_x < p[x]:
+                accepted = child
+                break
+            p = tree_residual(p, None if q_all is None else q_all[child], x)
+        if accepted is None:
+            return path, draw(p)
+        path.append(accepted)
+        row = accepted + 1
+
+
+def tree_residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """What the next child is verified against once child x (drawn from q; None: chosen,
+    one-hot) was rejected: norm(max(0, p - q)). Where that leaves no mass (p == q up to
+    rounding), p itself is the answer."""
+    if q is None:
+        left = p.copy()
+        left[x] = 0.0
+    else:
+        left = np.maximum(p - q, 0.0)
+    mass = left.sum()
+    return left / mass if mass > 0 else p
+
+
+def _draw(p: np.ndarray) -> int:
+    logp = mx.log(mx.array(p.astype(np.float32)))
+    return int(mx.random.categorical(logp).item())
+
+
+def verify_tree(
+    logits: mx.array, tree: TokenTree, sampling: SamplingConfig
+) -> tuple[list[int], int]:
+    """The path the target accepts and the token after it, greedy or sampled."""
+    if sampling.greedy:
+        return greedy_tree_verify(logits, tree)
+    return tree_rejection_verify(logits_to_probs(logits, sampling), tree)
+
+
+# --- per-node positions for rotary embeddings --------------------------------------------------
+
+
+class _TreePositions:
+    """The depths of the pass being fed (None: an ordinary pass), read by the swapped RoPEs."""
+
+    depths: list[int] | None = None
+
+
+_ACTIVE = _TreePositions()
+_ROPE_SUBCLASSES: dict[type, type] = {}
+
+
+def _tree_rope_subclass(cls: type) -> type:
+    if cls not in _ROPE_SUBCLASSES:
+        original = cls.__call__
+
+        def __call__(self, x, offset=0):
+            depths = _ACTIVE.depths
+            if depths is None or x.ndim != 4 or x.shape[-2] != len(depths):
+                return original(self, x, offset)
+            return _rope_by_depth(lambda part, off: original(self, part, off), x, offset, depths)
+
+        _ROPE_SUBCLASSES[cls] = type(f"Tree{cls.__name__}", (cls,), {"__call__": __call__})
+    return _ROPE_SUBCLASSES[cls]
+
+
+def _rope_by_depth(rope, x: mx.array, offset, depths: list[int]) -> mx.array:
+    """`x` `[B, H, L, D]` with token j at position offset + depths[j]: each run of equal
+    depths is rotated as a batch of one-token sequences at that position."""
+    b, h, _, d = x.shape
+    pieces, start = [], 0
+    while start < len(depths):
+        end = start
+        while end < len(depths) and depths[end] == depths[start]:
+            end += 1
+        n = end - start
+        part = x[:, :, start:end, :].transpose(0, 2, 1, 3).reshape(b * n, h, 1, d)
+        off = offset + depths[start]
+        if isinstance(off, mx.array) and off.ndim:
+            off = mx.repeat(off, n)  # one offset per row of the reshaped batch
+        out = rope(part, off)
+        pieces.append(out.reshape(b, n, h, d).transpose(0, 2, 1, 3))
+        start = end
+    return mx.concatenate(pieces, axis=2)
+
+
+def rope_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's rotary-embedding modules (attributes named `rope` or `rotary_emb`)."""
+    return [
+        m
+        for name, m in model.named_modules()
+        if name.split(".")[-1] in ("rope", "rotary_emb") and callable(m)
+    ]
+
+
+def enable_tree_positions(model: nn.Module) -> None:
+    """Let the model's RoPEs take per-token positions during tree passes (idempotent)."""
+    ropes = rope_modules(model)
+    if not ropes:
+        raise ValueError(
+            f"tree verification needs the model's rotary embeddings; "
+            f"{type(model).__module__} has none named rope / rotary_emb"
+        )
+    for module in ropes:
+        if type(module) not in _ROPE_SUBCLASSES.values():
+            module.__class__ = _tree_rope_subclass(type(module))
+
+
+# --- the target ----------------------------------------------------------------------------
+
+
+class TreeTarget:
+    """The target over a one-row `BatchCache`, scoring trees in one pass.
+
+    Args:
+        model: an mlx-lm model whose caches `BatchCache` can stand in for (attention with full
+            or sliding-window caches).
+        vocab_size: logits are cut to the tokenizer's vocabulary.
+        keep_hidden: record the final hidden states of every pass (for drafters reading them).
+    """
+
+    def __init__(self, model: nn.Module, vocab_size: int, *, keep_hidden: bool = False):
+        if not batchable(model):
+            raise ValueError(
+                f"tree verification needs a target whose layers all use attention caches; "
+                f"{type(model).__module__.split('.')[-1]} has recurrent state, which cannot "
+                "score several branches in one pass: draft a chain instead"
+            )
+        enable_tree_positions(model)
+        self.model, self.vocab_size = model, vocab_size
+        self.context_limit = context_limit(model)
+        self.cache = BatchCache(model, 1)
+        self._tap = tap_hidden(model) if keep_hidden else None
+        self._pending: TokenTree | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache."""
+        return self.cache.lengths[0]
+
+    def prefill(self, tokens: list[int]) -> mx.array | None:
+        """Feed tokens whose logits are not needed; returns their `[len, hidden]` final hidden
+        states when kept, else None."""
+        kept = []
+        for start in range(0, len(tokens), PREFILL_STEP):
+            chunk = tokens[start : start + PREFILL_STEP]
+            self.cache.begin([len(chunk)])
+            self.model(mx.array([chunk], mx.uint32), cache=self.cache.layers)
+            self.cache.end([len(chunk)])
+            kept += [self._tap.hidden[0]] if self._tap is not None else []
+            mx.eval(self.cache.state, kept[-1:])
+        if self._tap is None:
+            return None
+        return mx.concatenate(kept) if kept else mx.zeros((0, 1))
+
+    def score(self, root: int, tree: TokenTree) -> tuple[mx.array, mx.array | None]:
+        """Feed the root and every node in one pass: `[N + 1, vocab]` logits (row 0: after the
+        root, row 1 + i: after node i) and the `[N + 1, hidden]` hidden states (if kept).
+        `settle` must follow before the next pass."""
+        depths = [0] + tree.depths
+        self.cache.begin_tree(depths, tree.ancestors())
+        _ACTIVE.depths = depths
+        try:
+            x = mx.array([[root] + tree.tokens], mx.uint32)
+            logits = self.model(x, cache=self.cache.layers)[0, :, : self.vocab_size]
+        finally:
+            _ACTIVE.depths = None
+        self.cache.end_tree()
+        self._pending = tree
+        hidden = self._tap.hidden[0] if self._tap is not None else None
+        return logits, hidden
+
+    def settle(self, path: Sequence[int]) -> None:
+        """Keep the root and the nodes of `path` (a root-to-node path) in the cache."""
+        if self._pending is None:
+            raise RuntimeError("settle() without a scored tree")
+        self.cache.keep_tree([0] + [node + 1 for node in path])
+        self._pending = None
+        if self.cache.waste() > 0.5:
+            self.cache.compact()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` cached tokens."""
+        self.cache.truncate([length])
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+
+def check_tree_fits(tree_nodes: int, target: TreeTarget) -> None:
+    """ValueError when a tree of this many nodes cannot fit the target's context."""
+    if target.context_limit is not None and target.length + 1 + tree_nodes > target.context_limit:
+        raise ValueError(
+            f"a tree of {tree_nodes} nodes does not fit: {target.length} tokens are cached "
+            f"and the context holds {target.context_limit}"
+        )
+
+
+__all__ = [
+    "EMPTY",
+    "TokenTree",
+    "TreeDrafter",
+    "TreeTarget",
+    "check_tree_fits",
+    "enable_tree_positions",
+    "greedy_tree_verify",
+    "tree_rejection_verify",
+    "tree_rounds",
+    "verify_tree",
+]
+
+
+# --- the decode loop ---------------------------------------------------------------------------
+
+
+class TreeDrafter:
+    """Anything that proposes a token tree each round (the tree counterpart of `Drafter`)."""
+
+    name = "tree"
+    # True: `begin` and `accept` receive the target's final hidden states.
+    needs_hidden = False
+    max_depth = 8
+
+    def check_compatible(self, hidden_size: int, vocab_size: int) -> None:
+        """Raise ValueError if this drafter cannot serve a target of these sizes."""
+
+    def begin(self, prompt: list[int], hidden: mx.array | None) -> None:
+        """A new sequence: every token so far (the last is pending), and with `needs_hidden`
+        the target's `[len(prompt) - 1, T]` hidden states of the others."""
+        raise NotImplementedError
+
+    def draft_tree(self, depth: int, vocab_size: int, sampling: SamplingConfig) -> TokenTree:
+        """A tree of at most `depth` levels under the pending token."""
+        raise NotImplementedError
+
+    def accept(self, tokens: list[int], hidden: mx.array | None) -> None:
+        """After a round: the tokens that joined the sequence after the old pending token
+        (the last is the new pending one) and the `[T]` hidden state of the last token now in
+        the target's cache (with `needs_hidden`)."""
+        raise NotImplementedError
+
+
+def tree_rounds(
+    target: TreeTarget,
+    drafter,
+    last: int,
+    *,
+    sampling: SamplingConfig,
+    max_tokens: int,
+    depth: int,
+) -> Iterator[Round]:
+    """Draft a tree -> verify it in one pass -> keep the accepted path, until `max_tokens` or
+    the context is used up. `target` holds every token but `last`; the drafter (`draft_tree`,
+    `accept`) has been begun on the same sequence. A round is settled when the consumer asks
+    for the next one or closes the generator (after cutting it with `Round.keep`)."""
+    produced = 0
+    while produced < max_tokens:
+        room = None if target.context_limit is None else target.context_limit - target.length - 1
+        if room is not None and room <= 0:
+            return
+        k = min(depth, max_tokens - produced - 1)
+        if room is not None:
+            k = min(k, room - 1)  # the deepest node sits k positions after `last`
+        tic = time.perf_counter()
+        tree = TokenTree([], [])
+        if k > 0:
+            tree = drafter.draft_tree(k, target.vocab_size, sampling)
+        logits, hidden = target.score(last, tree)
+        path, nxt = verify_tree(logits, tree, sampling)
+        tokens = [tree.tokens[i] for i in path] + [nxt]
+        rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic)
+        try:
+            yield rnd
+        finally:
+            keep = len(tokens) if rnd.keep is None else max(1, min(rnd.keep, len(tokens)))
+            kept = path[: keep - 1]  # the last kept token stays pending
+            target.settle(kept)
+            row = kept[-1] + 1 if kept else 0
+            drafter.accept(tokens[:keep], None if hidden is None else hidden[row])
+            produced += keep
+            last = tokens[keep - 1]
