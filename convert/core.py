@@ -21,6 +21,12 @@ from convert.mtp_build import build_mtp_module
 from convert.normalize import normalize_config
 from convert.safetensors_check import list_tensors
 from mlx_spec.compat import copy_tokenizer_files
+from mlx_spec.drafters.medusa import (
+    MedusaHeads,
+    load_medusa_heads,
+    medusa_params,
+    save_medusa_heads,
+)
 from mlx_spec.drafters.mtp import save_mtp_drafter
 
 import mlx.core as mx
@@ -30,6 +36,8 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
 DTYPES = ("float16", "bfloat16", "float32")
 MTP_DIR = "mtp"
+MEDUSA_DIR = "medusa"
+MEDUSA_PREFIX = "medusa_head."
 PROVENANCE = "conversion.json"
 
 
@@ -290,6 +298,8 @@ def convert_checkpoint(
         raise ConversionError(f"{dest}: already exists (use --force to replace it)")
     source, resolved_revision = resolve_source(hf_path, revision)
     original = _read_config(source)
+    if is_medusa_config(original):
+        return _convert_medusa(source, dest, original, dtype, force, hf_path, resolved_revision)
     config = normalize_config(original)
     _check_loadable(config)
     chosen = _pick_dtype(dtype, config)
@@ -303,6 +313,9 @@ def convert_checkpoint(
             save_mtp_drafter(
                 out / MTP_DIR, built.mtp_module, built.config, quantization=built.mtp_quantization
             )
+        if built.medusa is not None:
+            save_medusa_heads(built.medusa, out / MEDUSA_DIR)
+            _log(f"Medusa heads: {built.medusa.num_heads} -> {MEDUSA_DIR}/")
         provenance = _provenance(
             hf_path,
             resolved_revision or revision,
@@ -323,6 +336,7 @@ class _Built:
     mtp_module: nn.Module | None = None
     mtp_quantization: dict | None = None
     own_copies: tuple[str, ...] = ()
+    medusa: MedusaHeads | None = None
 
 
 def _build(source: Path, config: dict, dtype, quantization: Quantization | None) -> _Built:
@@ -334,6 +348,13 @@ def _build(source: Path, config: dict, dtype, quantization: Quantization | None)
     _log(f"{config['model_type']}: {len(tensors)} tensors, {num_mtp} MTP layer(s)")
     weights = _load_weights(tensors)
     built = _Built(model=None, config=config)
+    medusa = {
+        n[len(MEDUSA_PREFIX) :]: weights.pop(n)
+        for n in list(weights)
+        if n.startswith(MEDUSA_PREFIX)
+    }
+    if medusa:  # Medusa-2 checkpoints: the heads beside the base model's tensors
+        built.medusa = _medusa_module(medusa, dtype)
     if num_mtp:
         built.mtp = extract_mtp(config, weights, mtp_names, num_mtp)
         built.own_copies = _own_copies(built.mtp, weights)
@@ -360,6 +381,43 @@ def _quantize(built: _Built, quant: Quantization) -> None:
             built.mtp_module, {}, quant.group_size, quant.bits, quant_predicate=predicate
         )
         built.mtp_quantization = mtp_config["quantization"]
+
+
+def is_medusa_config(config: dict) -> bool:
+    """Medusa heads alone (the original `medusa_num_heads` config with no base model type,
+    or vLLM's `model_type: medusa`)."""
+    if config.get("model_type") == "medusa":
+        return True
+    return "medusa_num_heads" in config and "model_type" not in config
+
+
+def _medusa_module(tensors: dict, dtype) -> MedusaHeads:
+    try:
+        params, heads, layers = medusa_params(tensors)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from exc
+    vocab, hidden = params["heads.0.out.weight"].shape
+    module = MedusaHeads(hidden, vocab, heads, layers)
+    module.load_weights([(k, v.astype(dtype)) for k, v in params.items()])
+    return module
+
+
+def _convert_medusa(source, dest, config, dtype, force, hf_path, revision) -> ConversionResult:
+    """Medusa heads alone: written in the original layout (what `--medusa DIR` loads)."""
+    try:
+        module = load_medusa_heads(str(source))
+    except ValueError as exc:
+        raise ConversionError(f"{source}: {exc}") from exc
+    chosen = _pick_dtype(dtype, config)
+    params = [(k, v.astype(getattr(mx, chosen))) for k, v in tree_flatten(module.parameters())]
+    module.load_weights(params)
+    _log(f"Medusa heads: {module.num_heads} x {module.num_layers} block(s), hidden {module.hidden}")
+    with atomic_directory(dest, force) as out:
+        save_medusa_heads(module, out)
+        provenance = _provenance(hf_path, revision, chosen, None, None)
+        provenance["source_config"] = config
+        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+    return ConversionResult(dest, None)
 
 
 def _without_remote_code(config: dict) -> dict:

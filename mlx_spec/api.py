@@ -352,7 +352,13 @@ def _tree_stream(
     """`stream_generate` with a tree drafter: every round verifies a tree in one pass; the
     depth is `num_draft` (at most the drafter's; "auto": the drafter's)."""
     drafter.check_compatible(target_hidden_size(model), vocab)
-    depth = drafter.max_depth if num_draft == AUTO else min(int(num_draft), drafter.max_depth)
+    if num_draft == AUTO:
+        key = ("tree", id(drafter), sampling, drafter.max_depth)
+        policy = memory_of(model).get(key, lambda: AdaptiveDraftLength(drafter.max_depth))
+    elif isinstance(num_draft, DraftPolicy):
+        policy = num_draft
+    else:
+        policy = FixedDraftLength(min(int(num_draft), drafter.max_depth))
     target = TreeTarget(model, vocab, keep_hidden=drafter.needs_hidden)
     if target.context_limit is not None and len(ids) >= target.context_limit:
         raise ValueError(
@@ -364,8 +370,9 @@ def _tree_stream(
     drafter.begin(ids, target.prefill(ids[:-1]))
     stats.prefill_seconds = time.perf_counter() - tic
     rounds = tree_rounds(
-        target, drafter, ids[-1], sampling=sampling, max_tokens=max_tokens, depth=depth
-    )
+        target, drafter, ids[-1], sampling=sampling, max_tokens=max_tokens, policy=policy,
+        stats=stats,
+    )  # fmt: skip
     yield from _emit(rounds, tokenizer, stats, stop, max_tokens)
 
 

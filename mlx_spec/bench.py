@@ -119,8 +119,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 PLAIN, DRAFT_MODEL, NGRAM, MTP, PEER = "plain", "draft-model", "ngram", "mtp", "mlx-lm"
+MEDUSA = "medusa"  # Medusa heads: a tree verified in one pass (k: the tree's depth)
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
-MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, ALL, PEER)
+MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, ALL, PEER)
 SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
@@ -884,6 +885,7 @@ class _Loaded:
     mtp: Drafter | None
     header: dict
     notes: list[str]
+    medusa: object = None  # a MedusaDrafter (a tree drafter: never in the group)
 
 
 def _shown(path) -> str:
@@ -955,7 +957,15 @@ def _load(config: BenchConfig) -> _Loaded:
             header["mtp"] = _shown(Path(mtp_path) if mtp_path else local / MTP_DIR)
         elif config.modes is not None:
             raise ValueError(f"mode mtp: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR")
-    return _Loaded(model, tokenizer, draft, mtp, header, notes)
+    medusa = None
+    if _wants(config, MEDUSA):
+        local = Path(getattr(model, SOURCE_ATTR, model_path))
+        if (local / MEDUSA).is_dir():
+            medusa = mlx_spec.load_medusa_drafter(str(local))
+            header["medusa"] = f"{_shown(local / MEDUSA)} ({medusa.max_depth} heads)"
+        elif config.modes is not None:
+            raise ValueError(f"mode medusa: {model_path} has no {MEDUSA}/ heads")
+    return _Loaded(model, tokenizer, draft, mtp, header, notes, medusa)
 
 
 def _prompts(config: BenchConfig, tokenizer, vocab: int, limits: list[int]) -> list[Prompt]:
@@ -996,6 +1006,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
     out = {m: d for m, d in single.items() if d is not None and _wants(config, m)}
     if config.auto and len(out) > 1 and (config.modes is None or ALL in config.modes):
         out[ALL] = DrafterGroup(list(out.values()))
+    if loaded.medusa is not None and _wants(config, MEDUSA):
+        out[MEDUSA] = loaded.medusa
     return out
 
 

@@ -38,6 +38,20 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     _add_drafter_flags(p)
+    p.add_argument(
+        "--medusa",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="Medusa heads (default: MODEL/medusa): each round the target verifies a tree of "
+        "their guesses in one pass; --num-draft is the tree's depth (auto: one level per head)",
+    )
+    p.add_argument(
+        "--tree-size",
+        type=int,
+        metavar="N",
+        help="with --medusa: nodes per tree at most (default: two per level)",
+    )
     _add_sampling_flags(p)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate (default 256)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -61,6 +75,10 @@ def _drafter(args, model):
         (draft,) = args.all_drafters
         return ["ngram", mlx_spec.load_drafter(draft), "mtp"]
     chosen = []
+    if getattr(args, "medusa", None) is not None:
+        chosen.append(
+            mlx_spec.load_medusa_drafter(args.medusa or args.model, tree_size=args.tree_size)
+        )
     if args.ngram:
         chosen.append("ngram")
     if args.draft_model:
@@ -81,7 +99,8 @@ def _demo_defaults(args) -> None:
 
     target, draft = converted_pair()
     args.model, args.compare = str(target), True
-    if not (args.ngram or args.draft_model or args.mtp is not None or args.assistant):
+    chosen = (args.ngram, args.draft_model, args.mtp is not None, args.assistant)
+    if not any(chosen) and getattr(args, "medusa", None) is None:
         args.all_drafters = [str(draft)]
     if args.draft_model == "embedded":
         args.draft_model = str(draft)
@@ -254,7 +273,8 @@ def _add_distill(sub) -> None:
         "--kind",
         choices=KINDS,
         default="draft-model",
-        help="a small draft model (default) or an MTP head on the target's states",
+        help="a small draft model (default), an MTP head on the target's states, or Medusa "
+        "heads (a tree of guesses of the next --heads tokens from the target's states)",
     )
     p.add_argument(
         "--data",
@@ -306,6 +326,9 @@ def _add_distill(sub) -> None:
         default=defaults.mtp_family,
         help="layout an MTP head is stored in",
     )
+    p.add_argument(
+        "--heads", type=int, default=defaults.heads, help="Medusa heads (default %(default)s)"
+    )
     p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--force", action="store_true", help="overwrite a finished output directory")
@@ -326,6 +349,7 @@ def cmd_distill(args) -> int:
         hidden_size=args.hidden_size,
         num_layers=args.layers,
         mtp_family=args.mtp_family,
+        heads=args.heads,
     )
     _blas.warn_if_slow()
     report = run_distill(
@@ -343,7 +367,7 @@ def cmd_distill(args) -> int:
     for key in after:
         was = f"{before[key]:.3f} -> " if key in before else ""
         print(f"{key}: {was}{after[key]:.3f}")
-    flag = "--mtp" if args.kind == "mtp" else "--draft-model"
+    flag = {"mtp": "--mtp", "medusa": "--medusa"}.get(args.kind, "--draft-model")
     print(
         f"wrote {args.out}; use it with: mlx-spec generate --model {args.model} {flag} {args.out}"
     )

@@ -22,8 +22,14 @@ from mlx_spec.distill_data import (
     target_text,
     text_files,
 )
+from mlx_spec.drafters.medusa import (
+    MedusaDrafter,
+    MedusaHeads,
+    load_medusa_heads,
+    save_medusa_heads,
+)
 from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
-from mlx_spec.hidden import tap_hidden
+from mlx_spec.hidden import find_head, tap_hidden
 from mlx_spec.models.mtp import MTPModule, target_layers
 
 import mlx.core as mx
@@ -34,7 +40,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, save_config, save_model
 from tqdm import tqdm
 
-KINDS = ("draft-model", "mtp")
+KINDS = ("draft-model", "mtp", "medusa")
 CHECKPOINT = ".distill-checkpoint"
 
 
@@ -52,6 +58,7 @@ class DistillConfig:
     hidden_size: int = 128  # draft model only
     num_layers: int = 2  # draft model only
     mtp_family: str = "mimo"  # MTP only: the published layout to store it in
+    heads: int = 3  # Medusa only: heads (each guesses one position further)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -63,6 +70,7 @@ class DistillConfig:
             "checkpoint_every",
             "hidden_size",
             "num_layers",
+            "heads",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -108,15 +116,43 @@ def build_student(
         student_cfg = student_config(target_config, config)
         model_cls, args_cls = _get_classes(student_cfg)
         return model_cls(args_cls.from_dict(student_cfg)), student_cfg
+    if config.kind == "medusa":
+        return medusa_student(target, config.heads), target_config
     text = target_config.get("text_config", target_config)
     layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
     module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
     return module, target_config
 
 
+def medusa_student(target: nn.Module, heads: int) -> MedusaHeads:
+    """Medusa heads that start as the target's own output layer: every block's linear layer
+    zero (so a block passes its input through) and each head's output a copy of the
+    target's (as Medusa initializes them)."""
+    head, _ = find_head(target)
+    weight = head.weight  # lm_head, or the tied embedding
+    if weight.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError("distilling Medusa heads needs a target with unquantized output weights")
+    vocab, hidden = weight.shape
+    module = MedusaHeads(hidden, vocab, heads, 1)
+    for one in module.heads:
+        for block in one.blocks:
+            block.linear.weight = mx.zeros_like(block.linear.weight)
+            block.linear.bias = mx.zeros_like(block.linear.bias)
+        one.out.weight = mx.array(weight.astype(mx.float32))
+    return module
+
+
 def _load_student(target: nn.Module, target_config: dict, config: DistillConfig, init: Path):
     from mlx_spec.api import load
     from mlx_spec.drafters.mtp import load_mtp_drafter
+
+    if config.kind == "medusa":
+        module = load_medusa_heads(str(init))
+        if module.num_heads != config.heads:
+            raise ValueError(
+                f"{init}: {module.num_heads} Medusa heads (pass --heads {module.num_heads})"
+            )
+        return module, target_config
 
     if config.kind == "mtp":
         module = load_mtp_drafter(init, target).module
@@ -141,7 +177,7 @@ class Distiller:
 
     def __init__(self, target: nn.Module, student: nn.Module, config: DistillConfig):
         self.target, self.student, self.config = target, student, config
-        self.tap = tap_hidden(target) if config.kind == "mtp" else None
+        self.tap = tap_hidden(target) if config.kind in ("mtp", "medusa") else None
         self.target.freeze()
         warmup = max(1, config.steps // 20)
         schedule = optim.join_schedules(
@@ -163,6 +199,13 @@ class Distiller:
     def _loss(self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None) -> mx.array:
         if self.config.kind == "draft-model":
             return _kl(teacher, self.student(tokens)[..., : teacher.shape[-1]])
+        if self.config.kind == "medusa":
+            # Head k reads h_p and guesses t_{p+2+k}, whose target distribution is at p+1+k.
+            logits = self.student(hidden)[..., : teacher.shape[-1]]  # [K, B, S, V]
+            losses = [
+                _kl(teacher[:, k + 1 :], logits[k, :, : -(k + 1)]) for k in range(logits.shape[0])
+            ]
+            return mx.stack(losses).mean()
         # MTP: the pair (h_p, t_{p+1}) predicts t_{p+2}, whose target distribution is at p+1.
         logits = self.student(tokens[:, 1:], cache=[None], hidden=hidden[:, :-1])
         return _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
@@ -247,6 +290,8 @@ def write_drafter(
         save_model(tmp, distiller.student)
         save_config(dict(student_cfg), config_path=tmp / "config.json")
         copy_tokenizer_files(target_dir, tmp)
+    elif distiller.config.kind == "medusa":
+        save_medusa_heads(distiller.student, tmp)
     else:
         save_mtp_drafter(tmp, distiller.student, student_cfg)
     (tmp / "distill.json").write_text(json.dumps(report, indent=2))
@@ -267,6 +312,8 @@ def drafter_for(distiller: Distiller, tokenizer):
 
     if distiller.config.kind == "mtp":
         return MTPDrafter(distiller.student, distiller.target)
+    if distiller.config.kind == "medusa":
+        return MedusaDrafter(distiller.student)
     return DraftModelDrafter(distiller.student, tokenizer)
 
 

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from mlx_spec.batch_cache import EMPTY, BatchCache, batchable
 from mlx_spec.decode import Round
 from mlx_spec.hidden import tap_hidden
+from mlx_spec.policy import DraftPolicy
 from mlx_spec.runner import context_limit
-from mlx_spec.sampling import SamplingConfig, logits_to_probs
+from mlx_spec.sampling import SamplingConfig, logits_to_probs, pick
+from mlx_spec.stats import SpecStats
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -322,6 +324,18 @@ class TreeTarget:
         if self.cache.waste() > 0.5:
             self.cache.compact()
 
+    def plain_step(self, token, sampling: SamplingConfig) -> tuple[mx.array, mx.array | None]:
+        """Queue one plain pass over `token` (an id or a lazy `[]` array): its next token (lazy,
+        evaluation started) and the `[T]` hidden state at `token` (if kept)."""
+        x = mx.array([[token]], mx.uint32) if isinstance(token, int) else token.reshape(1, 1)
+        self.cache.begin([1])
+        logits = self.model(x.astype(mx.uint32), cache=self.cache.layers)[0, -1, : self.vocab_size]
+        self.cache.end([1])
+        nxt = pick(logits, sampling)
+        hidden = self._tap.hidden[0, -1] if self._tap is not None else None
+        mx.async_eval(nxt)
+        return nxt, hidden
+
     def truncate(self, length: int) -> None:
         """Keep the first `length` cached tokens."""
         self.cache.truncate([length])
@@ -386,40 +400,91 @@ class TreeDrafter:
 
 def tree_rounds(
     target: TreeTarget,
-    drafter,
+    drafter: TreeDrafter,
     last: int,
     *,
     sampling: SamplingConfig,
     max_tokens: int,
-    depth: int,
+    policy: DraftPolicy,
+    stats: SpecStats | None = None,
 ) -> Iterator[Round]:
-    """Draft a tree -> verify it in one pass -> keep the accepted path, until `max_tokens` or
-    the context is used up. `target` holds every token but `last`; the drafter (`draft_tree`,
-    `accept`) has been begun on the same sequence. A round is settled when the consumer asks
+    """Tree rounds (draft a tree of the policy's depth -> verify it in one pass -> keep the
+    accepted path) and, when the policy finds they do not pay, stretches of plain steps,
+    until `max_tokens` or the context is used up. `target` holds every token but `last`; the
+    drafter has been begun on the same sequence. A round is settled when the consumer asks
     for the next one or closes the generator (after cutting it with `Round.keep`)."""
-    produced = 0
-    while produced < max_tokens:
+    state = {"last": last, "produced": 0}
+    while state["produced"] < max_tokens:
         room = None if target.context_limit is None else target.context_limit - target.length - 1
         if room is not None and room <= 0:
             return
-        k = min(depth, max_tokens - produced - 1)
+        limit = min(policy.max_draft, max_tokens - state["produced"] - 1)
         if room is not None:
-            k = min(k, room - 1)  # the deepest node sits k positions after `last`
-        tic = time.perf_counter()
-        tree = TokenTree([], [])
-        if k > 0:
-            tree = drafter.draft_tree(k, target.vocab_size, sampling)
-        logits, hidden = target.score(last, tree)
-        path, nxt = verify_tree(logits, tree, sampling)
-        tokens = [tree.tokens[i] for i in path] + [nxt]
-        rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic)
-        try:
+            limit = min(limit, room - 1)  # the deepest node sits `limit` positions on
+        choice = policy.choose(max(limit, 0)) if limit > 0 else None
+        if choice is None or choice.plain_tokens:
+            count = 1 if choice is None else choice.plain_tokens
+            count = min(count, max_tokens - state["produced"], room or count)
+            yield from _plain_stretch(target, drafter, state, count, sampling, policy, stats)
+        else:
+            yield from _tree_round(
+                target, drafter, state, choice.num_draft, sampling, policy, stats
+            )
+
+
+def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Iterator[Round]:
+    tic = time.perf_counter()
+    tree = drafter.draft_tree(depth, target.vocab_size, sampling)
+    logits, hidden = target.score(state["last"], tree)
+    path, nxt = verify_tree(logits, tree, sampling)
+    tokens = [tree.tokens[i] for i in path] + [nxt]
+    rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic)
+    try:
+        yield rnd
+    finally:
+        keep = len(tokens) if rnd.keep is None else max(1, min(rnd.keep, len(tokens)))
+        kept = path[: keep - 1]  # the last kept token stays pending
+        target.settle(kept)
+        row = kept[-1] + 1 if kept else 0
+        drafter.accept(tokens[:keep], None if hidden is None else hidden[row])
+        state["produced"] += keep
+        state["last"] = tokens[keep - 1]
+        policy.observe_round(0, depth, tree.depth, len(kept), time.perf_counter() - tic)
+        if stats is not None:
+            stats.observe_choice(drafter.name, depth)
+
+
+def _plain_stretch(target, drafter, state, count, sampling, policy, stats) -> Iterator[Round]:
+    """`count` plain steps, pipelined: each step's pass is queued before the token of the step
+    before it is read. A consumer that closes early gets the pass queued over the token it
+    stopped at taken back out, so that token stays pending."""
+    start = tic = time.perf_counter()
+    token, hidden = target.plain_step(state["last"], sampling)
+    rnd, ahead, settled, done = None, None, True, 0
+
+    def follow() -> None:
+        drafter.accept(rnd.tokens, hidden)
+        state["produced"] += 1
+        state["last"] = rnd.tokens[0]
+        if stats is not None:
+            stats.observe_choice(None, 0)
+
+    try:
+        for i in range(count):
+            ahead = target.plain_step(token, sampling) if i < count - 1 else None
+            rnd = Round([token.item()], 0, 0, time.perf_counter() - tic)
+            settled = False
             yield rnd
-        finally:
-            keep = len(tokens) if rnd.keep is None else max(1, min(rnd.keep, len(tokens)))
-            kept = path[: keep - 1]  # the last kept token stays pending
-            target.settle(kept)
-            row = kept[-1] + 1 if kept else 0
-            drafter.accept(tokens[:keep], None if hidden is None else hidden[row])
-            produced += keep
-            last = tokens[keep - 1]
+            follow()
+            settled, done = True, done + 1
+            tic = time.perf_counter()
+            if ahead is not None:
+                token, hidden = ahead
+    finally:
+        if not settled:  # closed after `rnd`: its token stays pending
+            if ahead is not None:
+                target.truncate(target.length - 1)  # undo the pass queued over it
+            follow()
+            done += 1
+        if done:
+            policy.observe_plain(done, time.perf_counter() - start)

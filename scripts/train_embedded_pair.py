@@ -11,6 +11,9 @@ Stages (each resumable; run them in order, or `all`):
              files plus the target's own continuations of windows of them (`--target-tokens`)
   export     both written in Hugging Face layout: the target as MiMo (its MTP layer under
              `model.mtp_layers.0.*`, so the real MTP conversion path serves it) and the draft
+  medusa     Medusa heads distilled for the shipped target (`mlx-spec distill --kind medusa`)
+             and bundled into it as `model-medusa.safetensors` (`medusa_head.*`, the Medusa-2
+             layout), so its conversion writes them to `medusa/`
 
 A fixed list of files is held out for evaluation and never trained on. Requires torch
 (`pip install torch==2.13.0`) and transformers for the target stage only.
@@ -26,6 +29,7 @@ for 1000, on the training files plus a million tokens of the target's own text:
     rm -r $MLX_SPEC_TRAIN_DIR/draft-mlx   # (the MTP head, finished, is skipped)
     python scripts/train_embedded_pair.py refine --distill-steps 1000 --target-tokens 1000000
     python scripts/train_embedded_pair.py export
+    python scripts/train_embedded_pair.py medusa --distill-steps 400
 
 `mlx_spec/demo_pair/training.json` holds the logs of every round.
 
@@ -296,6 +300,27 @@ def stage_refine(args) -> None:
         _distill(args, target, out, *extra)
 
 
+def stage_medusa(args) -> None:
+    """Medusa heads distilled for the shipped target (`mlx-spec distill --kind medusa`), then
+    bundled into the shipped target as `model-medusa.safetensors` (`medusa_head.*`, float16),
+    which `mlx-spec convert` carries into the converted target's `medusa/`."""
+    from mlx_spec.embedded import converted_pair
+
+    import mlx.core as mx
+
+    target, _ = converted_pair()
+    out = WORK / "medusa-mlx"
+    if not (out / "distill.json").is_file():
+        _distill(args, target, "medusa-mlx", "--kind", "medusa", "--heads", str(args.heads))
+    heads = mx.load(str(out / "medusa_lm_head.safetensors"))
+    bundled = {f"medusa_head.{k}": v.astype(mx.float16) for k, v in heads.items()}
+    mx.save_safetensors(str(OUT / "target" / "model-medusa.safetensors"), bundled)
+    record = OUT / "training.json"
+    log = json.loads(record.read_text())
+    log["medusa"] = json.loads((out / "distill.json").read_text())
+    record.write_text(json.dumps(log, indent=1) + "\n")
+
+
 def stage_export(args) -> None:
     from export_embedded_pair import export  # kept beside this script
 
@@ -309,13 +334,14 @@ STAGES = {
     "draft": stage_draft,
     "mtp": stage_mtp,
 }
+EXTRA = {"refine": stage_refine, "medusa": stage_medusa, "export": stage_export}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("stage", choices=[*STAGES, "refine", "export", "all"])
+    parser.add_argument("stage", choices=[*STAGES, *EXTRA, "all"])
     parser.add_argument("--minutes", type=float, default=60, help="target training budget")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -335,9 +361,10 @@ def main() -> None:
         default=0,
         help="refine: tokens of the target's own continuations added to the distillation data",
     )
+    parser.add_argument("--heads", type=int, default=3, help="medusa: Medusa heads")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
-    stages = {**STAGES, "refine": stage_refine, "export": stage_export}
+    stages = {**STAGES, **EXTRA}
     for name in [*STAGES, "export"] if args.stage == "all" else [args.stage]:
         print(f"== {name}", flush=True)
         stages[name](args)

@@ -27,7 +27,7 @@ def target_dir(tmp_path_factory):
     return tm.write_checkpoint(root / "target", config, tm.random_weights(config, 3, scale=0.7))
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "mtp"])
+@pytest.mark.parametrize("kind", ["draft-model", "mtp", "medusa"])
 def test_distill_moves_the_drafter_towards_the_target(target_dir, tmp_path, kind):
     """On text the target writes, 80 steps cut the held-out KL and raise the acceptance rate at
     temperature 1; the drafter written loads and decodes losslessly."""
@@ -44,6 +44,8 @@ def test_distill_moves_the_drafter_towards_the_target(target_dir, tmp_path, kind
     tok = with_eos(tok)
     if kind == "mtp":
         drafter = mlx_spec.load_mtp_drafter(str(out), model)
+    elif kind == "medusa":
+        drafter = mlx_spec.load_medusa_drafter(str(out))
     else:
         drafter = mlx_spec.load_drafter(str(out))
     plain = mlx_spec.generate(model, tok, "abcab", max_tokens=20).tokens
@@ -52,11 +54,11 @@ def test_distill_moves_the_drafter_towards_the_target(target_dir, tmp_path, kind
 
 
 def _weights(out, kind):
-    name = "model.safetensors"
+    name = "medusa_lm_head.safetensors" if kind == "medusa" else "model.safetensors"
     return {k: np.array(v) for k, v in mx.load(str(out / name)).items()}
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "mtp"])
+@pytest.mark.parametrize("kind", ["draft-model", "mtp", "medusa"])
 def test_interrupted_run_resumes_to_the_same_result(target_dir, tmp_path, monkeypatch, kind):
     """Ctrl-C at step 13 leaves a checkpoint; running again finishes at 30 steps with the same
     weights as an uninterrupted run (same batches, optimizer state restored)."""

@@ -389,3 +389,72 @@ def test_medusa_bad_inputs(tmp_path, loaded):
     wrong = MedusaDrafter(MedusaHeads(target_hidden_size(model) + 8, hfm.VOCAB, 2))
     with pytest.raises(ValueError, match="wide hidden states"):
         mlx_spec.generate(model, tok, [1, 4, 5], drafter=wrong, max_tokens=4)
+
+
+def test_convert_carries_medusa_heads(tmp_path):
+    """A Medusa-2 style checkpoint (heads as `medusa_head.*` beside the base model) converts to
+    a target with its heads in `medusa/`, and `drafter="medusa"` decodes losslessly with them;
+    heads alone (the original layout as a PyTorch file, and vLLM's layout) convert to a
+    directory `--medusa` loads, equal to the source."""
+    import torch
+
+    source, _ = hfm.write_hf_checkpoint(tmp_path / "llama", "llama", seed=4)
+    hidden = hfm.CONFIGS["llama"]["hidden_size"]
+    mx.random.seed(2)
+    heads = {
+        k: torch.tensor(np.array(v)) for k, v in _original_layout(2, 1, hidden, hfm.VOCAB).items()
+    }
+    hfm.append_shard(source, {f"medusa_head.{k}": v for k, v in heads.items()})
+    out = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+    assert (out / "medusa" / "medusa_lm_head.safetensors").is_file()
+    model, tok = mlx_spec.load(str(out))
+    tok = with_eos(tok)
+    plain = mlx_spec.generate(model, tok, [1, 4, 5, 6], max_tokens=16)
+    spec = mlx_spec.generate(model, tok, [1, 4, 5, 6], drafter="medusa", max_tokens=16)
+    assert spec.tokens == plain.tokens and spec.stats.drafter == "medusa"
+
+    alone = tmp_path / "heads"
+    alone.mkdir()
+    torch.save(heads, alone / "medusa_lm_head.pt")
+    (alone / "config.json").write_text('{"medusa_num_heads": 2, "medusa_num_layers": 1}')
+    converted = convert_checkpoint(str(alone), str(tmp_path / "heads-mlx"), dtype="float32").path
+    vllm = tmp_path / "vllm"
+    vllm.mkdir()
+    mx.save_safetensors(
+        str(vllm / "model.safetensors"),
+        _vllm_layout({k: mx.array(v.numpy()) for k, v in heads.items()}, 2, 1),
+    )
+    (vllm / "config.json").write_text('{"model_type": "medusa", "num_heads": 2}')
+    converted_vllm = convert_checkpoint(str(vllm), str(tmp_path / "vllm-mlx"), dtype="float32").path
+    h = mx.random.normal((hidden,))
+    want = load_medusa_heads(str(out / "medusa"))(h)
+    for path in (converted, converted_vllm):
+        assert mx.allclose(load_medusa_heads(str(path))(h), want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_auto_depth_and_stops_equal_plain(loaded, family):
+    """With `num_draft="auto"` the policy mixes plain stretches (pipelined) and tree rounds of
+    the depth it finds best; output cut by a stop string or EOS inside a round or a stretch
+    equals plain decoding's, and the caches stay consistent for the next round."""
+    model, tok = loaded[family][:2]
+    prompt = [1, 4, 5, 6, 7, 8, 9, 10, 11]
+    plain = mlx_spec.generate(model, with_eos(tok), prompt, max_tokens=48)
+    oracle = OracleTree(plain.tokens + [0] * 8, hfm.VOCAB)
+    oracle.max_depth = 4
+    result = mlx_spec.generate(model, with_eos(tok), prompt, drafter=oracle, max_tokens=48)
+    assert result.tokens == plain.tokens
+    assert result.stats.k_histogram.get(0, 0) > 0 and result.stats.accepted > 0
+    for cut in (5, 17, 30):
+        stop = plain.text[cut : cut + 2]
+        want = mlx_spec.generate(model, with_eos(tok), prompt, max_tokens=48, stop=[stop])
+        oracle = OracleTree(plain.tokens + [0] * 8, hfm.VOCAB)
+        got = mlx_spec.generate(
+            model, with_eos(tok), prompt, drafter=oracle, num_draft=3, max_tokens=48, stop=[stop]
+        )
+        assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+        eos = with_eos(tok, [plain.tokens[cut]])
+        want = mlx_spec.generate(model, eos, prompt, max_tokens=48)
+        oracle = OracleTree(plain.tokens + [0] * 8, hfm.VOCAB)
+        got = mlx_spec.generate(model, eos, prompt, drafter=oracle, max_tokens=48)
+        assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
