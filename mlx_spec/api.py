@@ -17,6 +17,7 @@ from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
+from mlx_spec.drafters.lookahead import LookaheadDrafter
 from mlx_spec.drafters.medusa import MedusaDrafter, load_medusa_heads
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.models.mtp import target_hidden_size
@@ -180,6 +181,8 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
         return members[0] if len(members) == 1 else DrafterGroup(members)
     if drafter == "ngram":
         return NgramDrafter()
+    if drafter == "lookahead":
+        return LookaheadDrafter()
     if drafter == "medusa":
         source = getattr(model, SOURCE_ATTR, None)
         if source is None or not (Path(source) / "medusa").is_dir():

@@ -108,6 +108,7 @@ from mlx_spec.api import SOURCE_ATTR, encode_prompt
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.drafters.group import DrafterGroup
+from mlx_spec.drafters.lookahead import LookaheadDrafter
 from mlx_spec.drafters.mtp import MTP_DIR
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.runner import ModelRunner, context_limit
@@ -120,8 +121,9 @@ from mlx.utils import tree_flatten
 
 PLAIN, DRAFT_MODEL, NGRAM, MTP, PEER = "plain", "draft-model", "ngram", "mtp", "mlx-lm"
 MEDUSA = "medusa"  # Medusa heads: a tree verified in one pass (k: the tree's depth)
+LOOKAHEAD = "lookahead"  # lookahead decoding (k: the n-grams' length, at most N - 1 = 2)
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
-MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, ALL, PEER)
+MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, LOOKAHEAD, ALL, PEER)
 SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
@@ -1008,6 +1010,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
         out[ALL] = DrafterGroup(list(out.values()))
     if loaded.medusa is not None and _wants(config, MEDUSA):
         out[MEDUSA] = loaded.medusa
+    if config.modes is not None and LOOKAHEAD in config.modes:  # asked for: W 4, N 3, G 4
+        out[LOOKAHEAD] = LookaheadDrafter()
     return out
 
 

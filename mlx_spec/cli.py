@@ -11,6 +11,7 @@ import sys
 import mlx_spec
 from mlx_spec import _blas
 from mlx_spec.distill import KINDS, DistillConfig
+from mlx_spec.drafters.lookahead import LookaheadDrafter
 
 EPILOG = """examples:
   mlx-spec generate --model ./target --draft-model ./draft --prompt "def parse_args(argv):"
@@ -47,6 +48,19 @@ def _add_generate(sub) -> None:
         "their guesses in one pass; --num-draft is the tree's depth (auto: one level per head)",
     )
     p.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="lookahead decoding, no drafter: each pass also runs Jacobi iterations over a "
+        "window of guesses and verifies the n-grams they left that continue the text",
+    )
+    p.add_argument("--window", type=int, default=4, help="--lookahead: window W (default 4)")
+    p.add_argument(
+        "--ngram-size", type=int, default=3, help="--lookahead: n-gram size N (default 3)"
+    )
+    p.add_argument(
+        "--candidates", type=int, default=4, help="--lookahead: n-grams verified G (default 4)"
+    )
+    p.add_argument(
         "--tree-size",
         type=int,
         metavar="N",
@@ -75,6 +89,8 @@ def _drafter(args, model):
         (draft,) = args.all_drafters
         return ["ngram", mlx_spec.load_drafter(draft), "mtp"]
     chosen = []
+    if getattr(args, "lookahead", False):
+        chosen.append(LookaheadDrafter(args.window, args.ngram_size, args.candidates))
     if getattr(args, "medusa", None) is not None:
         chosen.append(
             mlx_spec.load_medusa_drafter(args.medusa or args.model, tree_size=args.tree_size)
@@ -100,7 +116,8 @@ def _demo_defaults(args) -> None:
     target, draft = converted_pair()
     args.model, args.compare = str(target), True
     chosen = (args.ngram, args.draft_model, args.mtp is not None, args.assistant)
-    if not any(chosen) and getattr(args, "medusa", None) is None:
+    tree = getattr(args, "medusa", None) is not None or getattr(args, "lookahead", False)
+    if not any(chosen) and not tree:
         args.all_drafters = [str(draft)]
     if args.draft_model == "embedded":
         args.draft_model = str(draft)

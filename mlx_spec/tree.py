@@ -276,7 +276,7 @@ class TreeTarget:
         self.context_limit = context_limit(model)
         self.cache = BatchCache(model, 1)
         self._tap = tap_hidden(model) if keep_hidden else None
-        self._pending: TokenTree | None = None
+        self._pending = False  # a scored graph waits for `settle`
 
     @property
     def length(self) -> int:
@@ -302,25 +302,33 @@ class TreeTarget:
         """Feed the root and every node in one pass: `[N + 1, vocab]` logits (row 0: after the
         root, row 1 + i: after node i) and the `[N + 1, hidden]` hidden states (if kept).
         `settle` must follow before the next pass."""
-        depths = [0] + tree.depths
-        self.cache.begin_tree(depths, tree.ancestors())
+        return self.score_graph(root, tree.tokens, tree.depths, tree.ancestors())
+
+    def score_graph(
+        self, root: int, tokens: list[int], depths: list[int], visible
+    ) -> tuple[mx.array, mx.array | None]:
+        """`score` for any graph of nodes under the root: node j at position offset +
+        depths[j] (non-decreasing), seeing row c when `visible[1 + j, c]` (row 0: the root,
+        seen by every node)."""
+        depths = [0] + list(depths)
+        self.cache.begin_tree(depths, visible)
         _ACTIVE.depths = depths
         try:
-            x = mx.array([[root] + tree.tokens], mx.uint32)
+            x = mx.array([[root] + list(tokens)], mx.uint32)
             logits = self.model(x, cache=self.cache.layers)[0, :, : self.vocab_size]
         finally:
             _ACTIVE.depths = None
         self.cache.end_tree()
-        self._pending = tree
+        self._pending = True
         hidden = self._tap.hidden[0] if self._tap is not None else None
         return logits, hidden
 
     def settle(self, path: Sequence[int]) -> None:
         """Keep the root and the nodes of `path` (a root-to-node path) in the cache."""
-        if self._pending is None:
+        if not self._pending:
             raise RuntimeError("settle() without a scored tree")
         self.cache.keep_tree([0] + [node + 1 for node in path])
-        self._pending = None
+        self._pending = False
         if self.cache.waste() > 0.5:
             self.cache.compact()
 
@@ -397,6 +405,13 @@ class TreeDrafter:
         the target's cache (with `needs_hidden`)."""
         raise NotImplementedError
 
+    def side_branch(self) -> SideBranch | None:
+        """Nodes to feed beside the next tree (None: none)."""
+        return None
+
+    def observe_side(self, best: mx.array) -> None:
+        """The target's argmax after each node of the side branch, in its order."""
+
 
 def tree_rounds(
     target: TreeTarget,
@@ -432,10 +447,56 @@ def tree_rounds(
             )
 
 
+@dataclass
+class SideBranch:
+    """Nodes a drafter adds to a round's pass beside its tree, whose outputs it reads but
+    which are never candidates (lookahead decoding's Jacobi window): node j at depth
+    `depths[j]` sees the root and the nodes c with `visible[j, c]` (itself included)."""
+
+    tokens: list[int]
+    depths: list[int]
+    visible: np.ndarray
+
+
+def merge_graph(tree: TokenTree, side: SideBranch):
+    """One pass over a tree and a side branch that cannot see each other, ordered by depth:
+    (tokens, depths, visibility `[1 + n, 1 + n]` with the root first, each tree node's index
+    in the pass, each side node's)."""
+    items = [(d, 0, j) for j, d in enumerate(tree.depths)]
+    items += [(d, 1, j) for j, d in enumerate(side.depths)]
+    items.sort()
+    where = {(kind, j): i for i, (_, kind, j) in enumerate(items)}
+    n = len(items)
+    visible = np.zeros((n + 1, n + 1), dtype=bool)
+    visible[:, 0] = True
+    own = tree.ancestors()
+    for (kind, j), i in where.items():
+        if kind == 0:
+            for c in range(len(tree)):
+                if own[1 + j, 1 + c]:
+                    visible[1 + i, 1 + where[(0, c)]] = True
+        else:
+            for c in np.flatnonzero(side.visible[j]):
+                visible[1 + i, 1 + where[(1, int(c))]] = True
+    tokens = [tree.tokens[j] if kind == 0 else side.tokens[j] for _, kind, j in items]
+    depths = [d for d, _, _ in items]
+    tree_at = [where[(0, j)] for j in range(len(tree))]
+    side_at = [where[(1, j)] for j in range(len(side.tokens))]
+    return tokens, depths, visible, tree_at, side_at
+
+
 def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Iterator[Round]:
     tic = time.perf_counter()
     tree = drafter.draft_tree(depth, target.vocab_size, sampling)
-    logits, hidden = target.score(state["last"], tree)
+    side = drafter.side_branch()
+    if side is None:
+        logits, hidden = target.score(state["last"], tree)
+        tree_at = list(range(len(tree)))
+    else:
+        tokens, depths, visible, tree_at, side_at = merge_graph(tree, side)
+        logits, hidden = target.score_graph(state["last"], tokens, depths, visible)
+        drafter.observe_side(mx.argmax(logits[mx.array([1 + i for i in side_at])], axis=-1))
+        logits = logits[mx.array([0] + [1 + i for i in tree_at])]
     path, nxt = verify_tree(logits, tree, sampling)
     tokens = [tree.tokens[i] for i in path] + [nxt]
     rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic)
@@ -443,7 +504,7 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
         yield rnd
     finally:
         keep = len(tokens) if rnd.keep is None else max(1, min(rnd.keep, len(tokens)))
-        kept = path[: keep - 1]  # the last kept token stays pending
+        kept = [tree_at[i] for i in path[: keep - 1]]  # the last kept token stays pending
         target.settle(kept)
         row = kept[-1] + 1 if kept else 0
         drafter.accept(tokens[:keep], None if hidden is None else hidden[row])

@@ -7,6 +7,7 @@ import random
 
 import mlx_spec
 from convert import convert_checkpoint
+from mlx_spec.drafters.lookahead import LookaheadDrafter, trie
 from mlx_spec.drafters.medusa import (
     MedusaDrafter,
     MedusaHeads,
@@ -22,6 +23,7 @@ from mlx_spec.tree import (
     TreeDrafter,
     TreeTarget,
     greedy_tree_verify,
+    merge_graph,
     tree_rejection_verify,
 )
 
@@ -458,3 +460,73 @@ def test_auto_depth_and_stops_equal_plain(loaded, family):
         oracle = OracleTree(plain.tokens + [0] * 8, hfm.VOCAB)
         got = mlx_spec.generate(model, eos, prompt, drafter=oracle, max_tokens=48)
         assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason)
+
+
+# --- lookahead decoding ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_lookahead_window_sees_its_causal_sequence(loaded, family):
+    """Each node of the lookahead window (level l, column i) gets the logits of the plain
+    sequence root, level 0's columns up to i, its column's levels 1..l; the verification tree
+    beside it keeps its own logits (the branches never see each other)."""
+    model = loaded[family][0]
+    rng = random.Random(5)
+    seq = [rng.randrange(3, hfm.VOCAB) for _ in range(12)]
+    drafter = LookaheadDrafter(window=3, ngram=4, candidates=2)
+    drafter.begin(seq, None)
+    drafter.levels = [[rng.randrange(3, hfm.VOCAB) for _ in range(3)] for _ in range(3)]
+    side = drafter.side_branch()
+    tree = TokenTree([7, 8, 9], [-1, -1, 0])
+    target = TreeTarget(model, hfm.VOCAB)
+    target.prefill(seq[:-1])
+    tokens, depths, visible, tree_at, side_at = merge_graph(tree, side)
+    logits, _ = target.score_graph(seq[-1], tokens, depths, visible)
+    for lv in range(3):
+        for i in range(3):
+            ids = (
+                seq + drafter.levels[0][: i + 1] + [drafter.levels[u][i] for u in range(1, lv + 1)]
+            )
+            got = logits[1 + side_at[lv * 3 + i]]
+            assert mx.allclose(plain_logits(model, ids, hfm.VOCAB), got, atol=1e-4).item()
+    for node in range(len(tree)):
+        want = plain_logits(model, seq + path_ids(tree, node), hfm.VOCAB)
+        assert mx.allclose(want, logits[1 + tree_at[node]], atol=1e-4).item()
+    target.settle([tree_at[0], tree_at[2]])
+    assert target.length == len(seq) + 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("window, ngram, candidates", [(1, 2, 1), (3, 3, 2), (4, 5, 4)])
+def test_greedy_lookahead_equals_plain(loaded, family, window, ngram, candidates):
+    model, tok = loaded[family][:2]
+    tok = with_eos(tok)
+    prompt = [1, 4, 5, 6, 4, 5, 6, 4, 5]  # repeats: the pool has candidates from the start
+    plain = mlx_spec.generate(model, tok, prompt, max_tokens=40)
+    drafter = LookaheadDrafter(window, ngram, candidates)
+    result = mlx_spec.generate(
+        model, tok, prompt, drafter=drafter, num_draft=ngram - 1, max_tokens=40
+    )
+    assert result.tokens == plain.tokens
+    assert result.stats.drafter == "lookahead"
+    auto = mlx_spec.generate(model, tok, prompt, drafter="lookahead", max_tokens=40)
+    assert auto.tokens == plain.tokens
+
+
+def test_three_token_distribution_with_lookahead(pair):  # noqa: F811
+    model, tok = pair[:2]
+    config = CONFIGS[0]
+    samples = []
+    for seed in range(RUNS):
+        result = mlx_spec.generate(
+            model, tok, PROMPT, drafter=LookaheadDrafter(2, 3, 2), num_draft=2,
+            max_tokens=LENGTH, seed=seed, temperature=config.temperature, top_k=config.top_k,
+        )  # fmt: skip
+        samples.append(tuple(result.tokens))
+    assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
+
+
+def test_lookahead_bad_settings():
+    with pytest.raises(ValueError, match="ngram-size >= 2"):
+        LookaheadDrafter(window=4, ngram=1)
+    assert trie([(1, 2), (1, 3), (4,)]).parents == [-1, -1, 0, 0]
