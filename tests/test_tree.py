@@ -34,10 +34,9 @@ import pytest
 from chisquare import chisquare_pvalue
 from conftest import with_eos
 from mlx_lm.models.cache import make_prompt_cache
-from test_distribution import CONFIGS, IDS, LENGTH, PROMPT, exact_distribution, pair  # noqa: F401
+from test_distribution import CONFIGS, IDS, exact_distribution, pair, sampled  # noqa: F401
 
 ALPHA = 1e-3
-RUNS = 2000
 # Nodes in breadth-first order under the root: two children of the root, branches below.
 SHAPE = [-1, -1, 0, 0, 1, 2, 4, 5]
 
@@ -276,21 +275,7 @@ def test_three_token_distribution_with_trees(pair, config, one_hot):  # noqa: F8
     model with their distributions, or its top two without) against the exact target
     distribution of the first three tokens."""
     model, tok, draft, _ = pair
-    samples = []
-    for seed in range(RUNS):
-        result = mlx_spec.generate(
-            model,
-            tok,
-            PROMPT,
-            drafter=SampledTree(draft, one_hot),
-            num_draft=2,
-            max_tokens=LENGTH,
-            seed=seed,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
-        )
-        samples.append(tuple(result.tokens))
+    samples = sampled(model, tok, lambda: SampledTree(draft, one_hot), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
 
@@ -302,13 +287,7 @@ def test_tree_negative_control_fails(pair, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)
     config = CONFIGS[0]
-    samples = []
-    for seed in range(RUNS):
-        result = mlx_spec.generate(
-            model, tok, PROMPT, drafter=SampledTree(draft, False), num_draft=2,
-            max_tokens=LENGTH, seed=seed, temperature=config.temperature, top_k=config.top_k,
-        )  # fmt: skip
-        samples.append(tuple(result.tokens))
+    samples = sampled(model, tok, lambda: SampledTree(draft, False), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) < ALPHA
 
 
@@ -516,13 +495,7 @@ def test_greedy_lookahead_equals_plain(loaded, family, window, ngram, candidates
 def test_three_token_distribution_with_lookahead(pair):  # noqa: F811
     model, tok = pair[:2]
     config = CONFIGS[0]
-    samples = []
-    for seed in range(RUNS):
-        result = mlx_spec.generate(
-            model, tok, PROMPT, drafter=LookaheadDrafter(2, 3, 2), num_draft=2,
-            max_tokens=LENGTH, seed=seed, temperature=config.temperature, top_k=config.top_k,
-        )  # fmt: skip
-        samples.append(tuple(result.tokens))
+    samples = sampled(model, tok, lambda: LookaheadDrafter(2, 3, 2), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
 
