@@ -15,6 +15,7 @@ from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter
+from mlx_spec.drafters.branching import BranchingDraftModel
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.lookahead import LookaheadDrafter
@@ -158,6 +159,15 @@ def load_medusa_drafter(
     if (source / "medusa").is_dir():
         source = source / "medusa"
     return MedusaDrafter(load_medusa_heads(str(source)), width=width, tree_size=tree_size)
+
+
+def load_branching_drafter(
+    path_or_hub_id: str, *, width: int = 2, max_depth: int = 4, revision: str | None = None
+) -> BranchingDraftModel:
+    """Load a small draft model as a tree drafter: its `width` best candidates at the first
+    position, each continued greedily (verified as a tree in one target pass)."""
+    model, _ = load(path_or_hub_id, revision=revision)
+    return BranchingDraftModel(model, width=width, max_depth=max_depth)
 
 
 def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:

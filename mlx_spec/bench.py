@@ -107,6 +107,7 @@ from mlx_spec import _blas, embedded
 from mlx_spec.api import SOURCE_ATTR, encode_prompt
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.branching import BranchingDraftModel
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.lookahead import LookaheadDrafter
 from mlx_spec.drafters.mtp import MTP_DIR
@@ -122,8 +123,9 @@ from mlx.utils import tree_flatten
 PLAIN, DRAFT_MODEL, NGRAM, MTP, PEER = "plain", "draft-model", "ngram", "mtp", "mlx-lm"
 MEDUSA = "medusa"  # Medusa heads: a tree verified in one pass (k: the tree's depth)
 LOOKAHEAD = "lookahead"  # lookahead decoding (k: the n-grams' length, at most N - 1 = 2)
+DRAFT_TREE = "draft-tree"  # the draft model's top 2 first tokens, each continued greedily
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
-MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, LOOKAHEAD, ALL, PEER)
+MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, LOOKAHEAD, DRAFT_TREE, ALL, PEER)
 SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
@@ -934,9 +936,9 @@ def _load(config: BenchConfig) -> _Loaded:
     if model_path is None:
         target_dir, draft_dir = embedded.converted_pair()
         model_path = str(target_dir)
-        if draft_path is None and (_wants(config, DRAFT_MODEL) or _wants(config, PEER)):
+        if draft_path is None and any(_wants(config, m) for m in (DRAFT_MODEL, PEER, DRAFT_TREE)):
             draft_path = str(draft_dir)
-    needs_draft = config.modes is not None and ({DRAFT_MODEL, PEER} & set(config.modes))
+    needs_draft = config.modes is not None and ({DRAFT_MODEL, PEER, DRAFT_TREE} & set(config.modes))
     if needs_draft and draft_path is None:
         raise ValueError("modes draft-model and mlx-lm need a draft model (--draft-model PATH)")
     model, tokenizer = mlx_spec.load(model_path)
@@ -944,7 +946,7 @@ def _load(config: BenchConfig) -> _Loaded:
     header = {"target": f"{_shown(model_path)}{what} ({param_count(model) / 1e6:.1f}M parameters)"}
     notes = []
     draft = None
-    if draft_path is not None and (_wants(config, DRAFT_MODEL) or _wants(config, PEER)):
+    if draft_path is not None and any(_wants(config, m) for m in (DRAFT_MODEL, PEER, DRAFT_TREE)):
         draft = mlx_spec.load_drafter(draft_path)
         size = param_count(draft.model) / 1e6
         header["draft_model"] = f"{_shown(draft_path)} ({size:.1f}M parameters)"
@@ -1012,6 +1014,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
         out[MEDUSA] = loaded.medusa
     if config.modes is not None and LOOKAHEAD in config.modes:  # asked for: W 4, N 3, G 4
         out[LOOKAHEAD] = LookaheadDrafter()
+    if config.modes is not None and DRAFT_TREE in config.modes and loaded.draft is not None:
+        out[DRAFT_TREE] = BranchingDraftModel(loaded.draft.model, width=2, max_depth=8)
     return out
 
 

@@ -61,6 +61,13 @@ def _add_generate(sub) -> None:
         "--candidates", type=int, default=4, help="--lookahead: n-grams verified G (default 4)"
     )
     p.add_argument(
+        "--branches",
+        type=int,
+        metavar="B",
+        help="with --draft-model: draft a tree, the draft model's B best first tokens each "
+        "continued greedily, verified in one target pass",
+    )
+    p.add_argument(
         "--tree-size",
         type=int,
         metavar="N",
@@ -97,7 +104,9 @@ def _drafter(args, model):
         )
     if args.ngram:
         chosen.append("ngram")
-    if args.draft_model:
+    if args.draft_model and getattr(args, "branches", None):
+        chosen.append(mlx_spec.load_branching_drafter(args.draft_model, width=args.branches))
+    elif args.draft_model:
         chosen.append(mlx_spec.load_drafter(args.draft_model))
     if args.mtp is not None:
         chosen.append(mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp")

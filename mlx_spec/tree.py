@@ -332,6 +332,14 @@ class TreeTarget:
         if self.cache.waste() > 0.5:
             self.cache.compact()
 
+    def settle_none(self) -> None:
+        """Drop the whole scored pass, the root included (a drafter scoring what it may
+        propose)."""
+        if not self._pending:
+            raise RuntimeError("settle_none() without a scored tree")
+        self.cache.keep_tree([])
+        self._pending = False
+
     def plain_step(self, token, sampling: SamplingConfig) -> tuple[mx.array, mx.array | None]:
         """Queue one plain pass over `token` (an id or a lazy `[]` array): its next token (lazy,
         evaluation started) and the `[T]` hidden state at `token` (if kept)."""

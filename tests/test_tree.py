@@ -7,6 +7,7 @@ import random
 
 import mlx_spec
 from convert import convert_checkpoint
+from mlx_spec.drafters.branching import BranchingDraftModel
 from mlx_spec.drafters.lookahead import LookaheadDrafter, trie
 from mlx_spec.drafters.medusa import (
     MedusaDrafter,
@@ -503,3 +504,17 @@ def test_lookahead_bad_settings():
     with pytest.raises(ValueError, match="ngram-size >= 2"):
         LookaheadDrafter(window=4, ngram=1)
     assert trie([(1, 2), (1, 3), (4,)]).parents == [-1, -1, 0, 0]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_branching_draft_model_equals_plain(loaded, family):
+    """The draft model's top two candidates at the first position, each continued greedily:
+    greedy output equals plain decoding; its own cache keeps only the verified sequence."""
+    model, tok, draft, _ = loaded[family]
+    tok = with_eos(tok)
+    prompt = [1, 4, 5, 6, 7, 8, 9]
+    plain = mlx_spec.generate(model, tok, prompt, max_tokens=40)
+    drafter = BranchingDraftModel(draft, width=2, max_depth=3)
+    result = mlx_spec.generate(model, tok, prompt, drafter=drafter, num_draft=3, max_tokens=40)
+    assert result.tokens == plain.tokens and result.stats.accepted > 0
+    assert drafter.runner.length == len(prompt) + len(result.tokens) - 1
