@@ -186,9 +186,10 @@ def verify_tree(
 
 
 class _TreePositions:
-    """The depths of the pass being fed (None: an ordinary pass), read by the swapped RoPEs."""
+    """The depths `[L]` of the pass being fed (None: an ordinary pass), read by the swapped
+    RoPEs."""
 
-    depths: list[int] | None = None
+    depths: mx.array | None = None
 
 
 _ACTIVE = _TreePositions()
@@ -201,7 +202,7 @@ def _tree_rope_subclass(cls: type) -> type:
 
         def __call__(self, x, offset=0):
             depths = _ACTIVE.depths
-            if depths is None or x.ndim != 4 or x.shape[-2] != len(depths):
+            if depths is None or x.ndim != 4 or x.shape[-2] != depths.shape[0]:
                 return original(self, x, offset)
             return _rope_by_depth(lambda part, off: original(self, part, off), x, offset, depths)
 
@@ -209,24 +210,17 @@ def _tree_rope_subclass(cls: type) -> type:
     return _ROPE_SUBCLASSES[cls]
 
 
-def _rope_by_depth(rope, x: mx.array, offset, depths: list[int]) -> mx.array:
-    """`x` `[B, H, L, D]` with token j at position offset + depths[j]: each run of equal
-    depths is rotated as a batch of one-token sequences at that position."""
-    b, h, _, d = x.shape
-    pieces, start = [], 0
-    while start < len(depths):
-        end = start
-        while end < len(depths) and depths[end] == depths[start]:
-            end += 1
-        n = end - start
-        part = x[:, :, start:end, :].transpose(0, 2, 1, 3).reshape(b * n, h, 1, d)
-        off = offset + depths[start]
-        if isinstance(off, mx.array) and off.ndim:
-            off = mx.repeat(off, n)  # one offset per row of the reshaped batch
-        out = rope(part, off)
-        pieces.append(out.reshape(b, n, h, d).transpose(0, 2, 1, 3))
-        start = end
-    return mx.concatenate(pieces, axis=2)
+def _rope_by_depth(rope, x: mx.array, offset, depths: mx.array) -> mx.array:
+    """`x` `[B, H, L, D]` with token j at position offset + depths[j]: rotated in one call as
+    a batch of B * L one-token sequences, each with its own offset."""
+    b, h, n, d = x.shape
+    flat = x.transpose(0, 2, 1, 3).reshape(b * n, h, 1, d)
+    if isinstance(offset, mx.array) and offset.ndim:  # per-row offsets `[B]`
+        positions = (offset[:, None] + depths[None]).reshape(-1)
+    else:
+        positions = mx.broadcast_to((offset + depths)[None], (b, n)).reshape(-1)
+    out = rope(flat, positions)
+    return out.reshape(b, n, h, d).transpose(0, 2, 1, 3)
 
 
 def rope_modules(model: nn.Module) -> list[nn.Module]:
@@ -312,7 +306,7 @@ class TreeTarget:
         seen by every node)."""
         depths = [0] + list(depths)
         self.cache.begin_tree(depths, visible)
-        _ACTIVE.depths = depths
+        _ACTIVE.depths = mx.array(depths, mx.int32)
         try:
             x = mx.array([[root] + list(tokens)], mx.uint32)
             logits = self.model(x, cache=self.cache.layers)[0, :, : self.vocab_size]

@@ -148,7 +148,8 @@ def medusa_params(weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], in
 
 
 def load_medusa_heads(path: str, dtype: mx.Dtype | None = None) -> MedusaHeads:
-    """Medusa heads from a directory (or a weights file) in either layout."""
+    """Medusa heads from a directory (or a weights file) in either layout, in `dtype` (default:
+    as stored; float32 on the CPU)."""
     source = Path(path)
     if not source.exists():
         raise ValueError(f"no Medusa heads at {path}")
@@ -168,6 +169,8 @@ def load_medusa_heads(path: str, dtype: mx.Dtype | None = None) -> MedusaHeads:
             if name.endswith(suffix) and tuple(value.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
     module = MedusaHeads(hidden, vocab, heads, layers)
+    if dtype is None and mx.default_device() == mx.cpu:
+        dtype = mx.float32  # the only fast matmul on the CPU, as `mlx_spec.load` does
     if dtype is not None:
         params = {k: v.astype(dtype) for k, v in params.items()}
     module.load_weights(list(params.items()))
@@ -263,12 +266,14 @@ class MedusaDrafter(TreeDrafter):
         if self._hidden is None or depth <= 0:
             return TokenTree([], [])
         depth = min(depth, self.heads.num_heads)
-        logits = self.heads(self._hidden, depth)[:, :vocab_size]  # [depth, V]
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+        logits = self.heads(self._hidden, depth)[:, :vocab_size].astype(mx.float32)  # [d, V]
         width = min(self.width, vocab_size)
-        top = mx.argsort(-probs, axis=-1)[:, :width]
-        top_p = mx.take_along_axis(probs, top, axis=-1)
+        top = mx.argpartition(-logits, kth=width - 1, axis=-1)[:, :width]
+        top_p = mx.exp(mx.take_along_axis(logits, top, axis=-1) - mx.logsumexp(logits, -1, True))
+        mx.eval(top, top_p)
         top, top_p = np.array(top), np.array(top_p, dtype=np.float64)
+        order = np.argsort(-top_p, axis=-1, kind="stable")  # each head's candidates, best first
+        top, top_p = np.take_along_axis(top, order, -1), np.take_along_axis(top_p, order, -1)
         budget = self.tree_size or 2 * depth
         paths = best_paths(top_p, budget)
         rank = {path: i for i, path in enumerate(paths)}
