@@ -517,4 +517,4 @@ def test_branching_draft_model_equals_plain(loaded, family):
     drafter = BranchingDraftModel(draft, width=2, max_depth=3)
     result = mlx_spec.generate(model, tok, prompt, drafter=drafter, num_draft=3, max_tokens=40)
     assert result.tokens == plain.tokens and result.stats.accepted > 0
-    assert drafter.runner.length == len(prompt) + len(result.tokens) - 1
+    assert drafter.runner.length + len(drafter.unfed) == len(prompt) + len(result.tokens) - 1

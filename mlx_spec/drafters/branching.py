@@ -37,14 +37,19 @@ class BranchingDraftModel(TreeDrafter):
     def begin(self, prompt: list[int], hidden) -> None:
         vocab = self.model.args.vocab_size
         self.runner = TreeTarget(self.model, vocab)
-        self.runner.prefill(prompt[:-1])
+        self.unfed = list(prompt[:-1])  # fed to the draft model when it next drafts
         self.pending = prompt[-1]
 
     def accept(self, tokens: list[int], hidden) -> None:
-        self.runner.prefill([self.pending] + tokens[:-1])
+        """Queue the new tokens: a plain stretch costs the draft model nothing until it
+        drafts again."""
+        self.unfed += [self.pending] + tokens[:-1]
         self.pending = tokens[-1]
 
     def draft_tree(self, depth: int, vocab_size: int, sampling: SamplingConfig) -> TokenTree:
+        if self.unfed:
+            self.runner.prefill(self.unfed)
+            self.unfed = []
         tokens: list[int] = []
         parents: list[int] = []
         leaves = [-1]  # the nodes each next level grows from (-1: the root)
