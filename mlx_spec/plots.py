@@ -21,6 +21,9 @@ MODE_COLORS = {
     "draft-model": "#1f77b4",
     "ngram": "#2ca02c",
     "mtp": "#d62728",
+    "medusa": "#8c564b",
+    "lookahead": "#e377c2",
+    "draft-tree": "#17becf",
     ALL: "#ff7f0e",
     PEER: "#9467bd",
 }
@@ -78,7 +81,9 @@ def tokens_per_sec_bars(report: BenchReport, ax=None):
     ax.set_xticks(ticks, labels, rotation=90, fontsize=7)
     ax.set_ylabel("decode tokens/s")
     ax.set_title("Tokens per second by mode (label: speedup over plain)")
-    handles = [_pyplot().Rectangle((0, 0), 1, 1, color=MODE_COLORS[m]) for m in report.modes]
+    handles = [
+        _pyplot().Rectangle((0, 0), 1, 1, color=MODE_COLORS.get(m, "#333333")) for m in report.modes
+    ]
     ax.legend(handles, report.modes, fontsize=8)
     return ax
 

@@ -355,21 +355,11 @@ class TreeTarget:
         return self.cache.nbytes
 
 
-def check_tree_fits(tree_nodes: int, target: TreeTarget) -> None:
-    """ValueError when a tree of this many nodes cannot fit the target's context."""
-    if target.context_limit is not None and target.length + 1 + tree_nodes > target.context_limit:
-        raise ValueError(
-            f"a tree of {tree_nodes} nodes does not fit: {target.length} tokens are cached "
-            f"and the context holds {target.context_limit}"
-        )
-
-
 __all__ = [
     "EMPTY",
     "TokenTree",
     "TreeDrafter",
     "TreeTarget",
-    "check_tree_fits",
     "enable_tree_positions",
     "greedy_tree_verify",
     "tree_rejection_verify",
@@ -431,7 +421,9 @@ def tree_rounds(
     drafter has been begun on the same sequence. A round is settled when the consumer asks
     for the next one or closes the generator (after cutting it with `Round.keep`)."""
     state = {"last": last, "produced": 0}
+    start = target.length
     while state["produced"] < max_tokens:
+        _check_length(target, start + state["produced"])
         room = None if target.context_limit is None else target.context_limit - target.length - 1
         if room is not None and room <= 0:
             return
@@ -515,6 +507,26 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
         policy.observe_round(0, depth, tree.depth, len(kept), time.perf_counter() - tic)
         if stats is not None:
             stats.observe_choice(drafter.name, depth)
+
+
+def _check_length(target: TreeTarget, expected: int) -> None:
+    """The checked-length invariant, every round: the cache holds exactly the sequence so far
+    (its count, and the positions its columns hold: 0 .. expected - 1, once each)."""
+    held = [int((g.pos[0, : g.idx] >= 0).sum().item()) for g in target.cache.groups.values()]
+    last = [
+        int(g.pos[0, : g.idx].max().item()) + 1 if g.idx else 0
+        for g in target.cache.groups.values()
+    ]
+    full = [h for h, g in zip(held, target.cache.groups.values(), strict=True) if g.window is None]
+    if (
+        target.length != expected
+        or any(n != expected for n in last)
+        or any(h != expected for h in full)
+    ):
+        raise RuntimeError(
+            f"tree cache out of step: it holds {target.length} tokens (positions up to "
+            f"{last}), the sequence {expected}"
+        )
 
 
 def _plain_stretch(target, drafter, state, count, sampling, policy, stats) -> Iterator[Round]:

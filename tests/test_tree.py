@@ -507,14 +507,15 @@ def test_lookahead_bad_settings():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_branching_draft_model_equals_plain(loaded, family):
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_branching_draft_model_equals_plain(loaded, family, depth):
     """The draft model's top two candidates at the first position, each continued greedily:
     greedy output equals plain decoding; its own cache keeps only the verified sequence."""
     model, tok, draft, _ = loaded[family]
     tok = with_eos(tok)
     prompt = [1, 4, 5, 6, 7, 8, 9]
     plain = mlx_spec.generate(model, tok, prompt, max_tokens=40)
-    drafter = BranchingDraftModel(draft, width=2, max_depth=3)
-    result = mlx_spec.generate(model, tok, prompt, drafter=drafter, num_draft=3, max_tokens=40)
+    drafter = BranchingDraftModel(draft, width=2, max_depth=depth)
+    result = mlx_spec.generate(model, tok, prompt, drafter=drafter, num_draft=depth, max_tokens=40)
     assert result.tokens == plain.tokens and result.stats.accepted > 0
     assert drafter.runner.length + len(drafter.unfed) == len(prompt) + len(result.tokens) - 1
