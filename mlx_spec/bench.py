@@ -962,12 +962,12 @@ def _load(config: BenchConfig) -> _Loaded:
         elif config.modes is not None:
             raise ValueError(f"mode mtp: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR")
     medusa = None
-    if _wants(config, MEDUSA):
+    if config.modes is not None and MEDUSA in config.modes:  # tree modes run when asked for
         local = Path(getattr(model, SOURCE_ATTR, model_path))
         if (local / MEDUSA).is_dir():
             medusa = mlx_spec.load_medusa_drafter(str(local))
             header["medusa"] = f"{_shown(local / MEDUSA)} ({medusa.max_depth} heads)"
-        elif config.modes is not None:
+        else:
             raise ValueError(f"mode medusa: {model_path} has no {MEDUSA}/ heads")
     return _Loaded(model, tokenizer, draft, mtp, header, notes, medusa)
 
@@ -1010,7 +1010,7 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
     out = {m: d for m, d in single.items() if d is not None and _wants(config, m)}
     if config.auto and len(out) > 1 and (config.modes is None or ALL in config.modes):
         out[ALL] = DrafterGroup(list(out.values()))
-    if loaded.medusa is not None and _wants(config, MEDUSA):
+    if loaded.medusa is not None:
         out[MEDUSA] = loaded.medusa
     if config.modes is not None and LOOKAHEAD in config.modes:  # asked for: W 4, N 3, G 4
         out[LOOKAHEAD] = LookaheadDrafter()

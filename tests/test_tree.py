@@ -35,7 +35,7 @@ import pytest
 from chisquare import chisquare_pvalue
 from conftest import with_eos
 from mlx_lm.models.cache import make_prompt_cache
-from test_distribution import CONFIGS, IDS, exact_distribution, pair, sampled  # noqa: F401
+from test_distribution import CONFIGS, exact_distribution, pair, sampled  # noqa: F401
 
 ALPHA = 1e-3
 # Nodes in breadth-first order under the root: two children of the root, branches below.
@@ -225,13 +225,12 @@ def test_greedy_accepts_along_any_branch(loaded, family):
 
 class SampledTree(TreeDrafter):
     """Two children of the root drawn independently from the draft model's distribution, each
-    with one child drawn the same way (distributions attached), or (one_hot) the draft's top
-    two candidates with no distribution."""
+    with one child drawn the same way; every node carries the distribution it was drawn from."""
 
     name = "sampled-tree"
 
-    def __init__(self, draft, one_hot: bool):
-        self.draft, self.one_hot = draft, one_hot
+    def __init__(self, draft):
+        self.draft = draft
 
     def begin(self, prompt, hidden):
         self.seq = list(prompt)
@@ -247,36 +246,24 @@ class SampledTree(TreeDrafter):
 
     def draft_tree(self, depth, vocab_size, sampling):
         q0 = self._q(self.seq, vocab_size, sampling)
-        if self.one_hot:
-            firsts = np.argsort(-np.array(q0))[:2].tolist()
-        else:
-            firsts = mx.random.categorical(mx.log(q0), num_samples=2).tolist()
+        firsts = mx.random.categorical(mx.log(q0), num_samples=2).tolist()
         tokens, parents, probs = list(firsts), [-1, -1], [q0, q0]
         if depth > 1:
             for i, first in enumerate(firsts):
                 q1 = self._q(self.seq + [first], vocab_size, sampling)
-                nxt = (
-                    int(np.argmax(np.array(q1)))
-                    if self.one_hot
-                    else mx.random.categorical(mx.log(q1)).item()
-                )
-                tokens.append(nxt)
+                tokens.append(mx.random.categorical(mx.log(q1)).item())
                 parents.append(i)
                 probs.append(q1)
-        return TokenTree(tokens, parents, None if self.one_hot else mx.stack(probs))
+        return TokenTree(tokens, parents, mx.stack(probs))
 
 
-@pytest.mark.parametrize(
-    "config, one_hot",
-    [(CONFIGS[0], False), (CONFIGS[1], True)],
-    ids=[f"sampled-{IDS[0]}", f"one-hot-{IDS[1]}"],
-)
-def test_three_token_distribution_with_trees(pair, config, one_hot):  # noqa: F811
+def test_three_token_distribution_with_trees(pair):  # noqa: F811
     """Chi-square of 2000 tree-speculative samples (depth 2, two branches drawn from the draft
-    model with their distributions, or its top two without) against the exact target
-    distribution of the first three tokens."""
+    model with their distributions) against the exact target distribution of the first three
+    tokens (chosen branches, q one-hot, are tested through lookahead decoding below)."""
     model, tok, draft, _ = pair
-    samples = sampled(model, tok, lambda: SampledTree(draft, one_hot), config)
+    config = CONFIGS[0]
+    samples = sampled(model, tok, lambda: SampledTree(draft), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
 
@@ -288,7 +275,7 @@ def test_tree_negative_control_fails(pair, monkeypatch):  # noqa: F811
 
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)
     config = CONFIGS[0]
-    samples = sampled(model, tok, lambda: SampledTree(draft, False), config)
+    samples = sampled(model, tok, lambda: SampledTree(draft), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) < ALPHA
 
 
@@ -494,8 +481,9 @@ def test_greedy_lookahead_equals_plain(loaded, family, window, ngram, candidates
 
 
 def test_three_token_distribution_with_lookahead(pair):  # noqa: F811
+    """Lookahead's candidates are chosen (verified as one-hot) at temperature 0.7 + top-p."""
     model, tok = pair[:2]
-    config = CONFIGS[0]
+    config = CONFIGS[1]
     samples = sampled(model, tok, lambda: LookaheadDrafter(2, 3, 2), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
