@@ -14,7 +14,7 @@ from pathlib import Path
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import mtp as mtp_drafter
-from mlx_spec.drafters.base import Drafter
+from mlx_spec.drafters.base import Drafter, unique_id
 from mlx_spec.drafters.branching import BranchingDraftModel
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
@@ -366,7 +366,7 @@ def _tree_stream(
     depth is `num_draft` (at most the drafter's; "auto": the drafter's)."""
     drafter.check_compatible(target_hidden_size(model), vocab)
     if num_draft == AUTO:
-        key = ("tree", id(drafter), sampling, drafter.max_depth)
+        key = ("tree", unique_id(drafter), sampling, drafter.max_depth)
         policy = memory_of(model).get(key, lambda: AdaptiveDraftLength(drafter.max_depth))
     elif isinstance(num_draft, DraftPolicy):
         policy = num_draft

@@ -216,3 +216,16 @@ def test_auto_policy_instance_is_accepted(loaded):
     )
     assert out.tokens == plain(entry, PROMPT, 30)
     assert policy.plain is not None
+
+
+def test_a_new_drafter_never_inherits_a_freed_ones_policy(loaded):
+    """Policies are remembered per drafter identity; a drafter made after another was freed
+    (Python may give it the freed object's id) starts afresh, not with the other's policy."""
+    entry = no_eos(loaded["llama"])
+    continuation = plain(entry, PROMPT, 40)
+    seen = set()
+    for _ in range(20):
+        drafter = OracleDrafter(continuation, wrong_after=0)
+        assert drafter.identity not in seen
+        seen.add(drafter.identity)
+        del drafter

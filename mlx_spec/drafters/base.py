@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -11,6 +12,18 @@ from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn
+
+_TOKENS = itertools.count()
+
+
+def unique_id(obj) -> int:
+    """A number no other object of this process gets, even after `obj` is gone (`id()` is
+    reused by later objects, which would hand them a policy learned with another drafter)."""
+    token = obj.__dict__.get("_mlx_spec_uid")
+    if token is None:
+        token = next(_TOKENS)
+        object.__setattr__(obj, "_mlx_spec_uid", token)
+    return token
 
 
 @dataclass
@@ -42,7 +55,7 @@ class Drafter(ABC):
     def identity(self) -> Hashable:
         """What makes two drafters draft alike (the weights they run, their settings), so
         that a policy learned with one serves the other; by default the object itself."""
-        return id(self)
+        return ("drafter", unique_id(self))
 
     @property
     def arm_names(self) -> list[str]:

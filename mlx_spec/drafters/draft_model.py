@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mlx_spec.compat import check_model_covers_vocab, check_same_tokenizer
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
 
@@ -67,7 +67,7 @@ class DraftModelDrafter(Drafter):
 
     @property
     def identity(self):
-        return (self.name, id(self.model))
+        return (self.name, unique_id(self.model))
 
     def __init__(self, model: nn.Module, tokenizer):
         self.model = model

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.drafters.draft_model import pick_token
 from mlx_spec.models.gemma4_assistant import (
     AssistantArgs,
@@ -104,7 +104,7 @@ class Gemma4AssistantDrafter(Drafter):
 
     @property
     def identity(self):
-        return (self.name, id(self.assistant))
+        return (self.name, unique_id(self.assistant))
 
     def __init__(self, assistant: Gemma4Assistant, target: nn.Module, where: str = "assistant"):
         self.owners = check_pair(assistant.args, target, where)

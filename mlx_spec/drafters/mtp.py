@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.drafters.draft_model import CATCH_UP, context_budget, draft_steps
 from mlx_spec.models.mtp import MTPModule, target_hidden_size, target_layers
 from mlx_spec.runner import ModelRunner
@@ -39,7 +39,7 @@ class MTPDrafter(Drafter):
 
     @property
     def identity(self):
-        return (self.name, id(self.module))
+        return (self.name, unique_id(self.module))
 
     def __init__(self, module: MTPModule, target: nn.Module):
         self.module = module
