@@ -24,6 +24,7 @@ from mlx_spec.compat import copy_tokenizer_files
 from mlx_spec.drafters.medusa import (
     MedusaHeads,
     load_medusa_heads,
+    medusa_heads,
     medusa_params,
     save_medusa_heads,
 )
@@ -393,24 +394,18 @@ def is_medusa_config(config: dict) -> bool:
 
 def _medusa_module(tensors: dict, dtype) -> MedusaHeads:
     try:
-        params, heads, layers = medusa_params(tensors)
+        return medusa_heads(*medusa_params(tensors), dtype)
     except ValueError as exc:
         raise ConversionError(str(exc)) from exc
-    vocab, hidden = params["heads.0.out.weight"].shape
-    module = MedusaHeads(hidden, vocab, heads, layers)
-    module.load_weights([(k, v.astype(dtype)) for k, v in params.items()])
-    return module
 
 
 def _convert_medusa(source, dest, config, dtype, force, hf_path, revision) -> ConversionResult:
     """Medusa heads alone: written in the original layout (what `--medusa DIR` loads)."""
+    chosen = _pick_dtype(dtype, config)
     try:
-        module = load_medusa_heads(str(source))
+        module = load_medusa_heads(str(source), getattr(mx, chosen))
     except ValueError as exc:
         raise ConversionError(f"{source}: {exc}") from exc
-    chosen = _pick_dtype(dtype, config)
-    params = [(k, v.astype(getattr(mx, chosen))) for k, v in tree_flatten(module.parameters())]
-    module.load_weights(params)
     _log(f"Medusa heads: {module.num_heads} x {module.num_layers} block(s), hidden {module.hidden}")
     with atomic_directory(dest, force) as out:
         save_medusa_heads(module, out)

@@ -373,10 +373,7 @@ def _tree_stream(
     else:
         policy = FixedDraftLength(min(int(num_draft), drafter.max_depth))
     target = TreeTarget(model, vocab, keep_hidden=drafter.needs_hidden)
-    if target.context_limit is not None and len(ids) >= target.context_limit:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; the model's context holds {target.context_limit}"
-        )
+    check_fits(ids, target)
     if seed is not None:
         mx.random.seed(seed)
     tic = time.perf_counter()
@@ -401,7 +398,7 @@ def checked_prompt(tokenizer: TokenizerWrapper, prompt: str | Sequence[int], voc
     return ids
 
 
-def check_fits(ids: list[int], target: ModelRunner) -> None:
+def check_fits(ids: list[int], target: ModelRunner | TreeTarget) -> None:
     """ValueError when the prompt leaves no room in the target's context."""
     if target.context_limit is not None and len(ids) >= target.context_limit:
         raise ValueError(

@@ -511,18 +511,16 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
 
 def _check_length(target: TreeTarget, expected: int) -> None:
     """The checked-length invariant, every round: the cache holds exactly the sequence so far
-    (its count, and the positions its columns hold: 0 .. expected - 1, once each)."""
-    held = [int((g.pos[0, : g.idx] >= 0).sum().item()) for g in target.cache.groups.values()]
-    last = [
-        int(g.pos[0, : g.idx].max().item()) + 1 if g.idx else 0
-        for g in target.cache.groups.values()
+    (its count, and the positions its columns hold: 0 .. expected - 1; once each where no
+    window drops old columns). One synchronisation for all of it."""
+    groups = [g for g in target.cache.groups.values() if g.idx]
+    stats = [
+        mx.stack([(g.pos[0, : g.idx] >= 0).sum(), g.pos[0, : g.idx].max() + 1]) for g in groups
     ]
-    full = [h for h, g in zip(held, target.cache.groups.values(), strict=True) if g.window is None]
-    if (
-        target.length != expected
-        or any(n != expected for n in last)
-        or any(h != expected for h in full)
-    ):
+    found = mx.stack(stats).tolist() if stats else []
+    held = [h for (h, _), g in zip(found, groups, strict=True) if g.window is None]
+    last = [n for _, n in found]
+    if target.length != expected or any(n != expected for n in last + held):
         raise RuntimeError(
             f"tree cache out of step: it holds {target.length} tokens (positions up to "
             f"{last}), the sequence {expected}"

@@ -45,6 +45,7 @@ class LookaheadDrafter(TreeDrafter):
             )
         self.window, self.ngram, self.candidates, self.seed = window, ngram, candidates, seed
         self.max_depth = ngram - 1
+        self._depths, self._visible = _window_shape(window, ngram - 1)
         self.pool: dict[int, list[tuple[int, ...]]] = {}
         self.levels: list[list[int]] = []
         self.seq: list[int] = []
@@ -88,16 +89,8 @@ class LookaheadDrafter(TreeDrafter):
 
     def side_branch(self) -> SideBranch:
         """The window: level l, column i at depth i + 1 + l (columns counted from 0 here)."""
-        levels, width = len(self.levels), self.window
-        index = {(lv, i): lv * width + i for lv in range(levels) for i in range(width)}
-        n = levels * width
-        visible = np.zeros((n, n), dtype=bool)
-        for (lv, i), j in index.items():
-            visible[j, [index[(0, c)] for c in range(i + 1)]] = True
-            visible[j, [index[(u, i)] for u in range(1, lv + 1)]] = True
-        tokens = [self.levels[lv][i] for lv in range(levels) for i in range(width)]
-        depths = [i + 1 + lv for lv in range(levels) for i in range(width)]
-        return SideBranch(tokens, depths, visible)
+        tokens = [token for level in self.levels for token in level]
+        return SideBranch(tokens, self._depths, self._visible)
 
     def observe_side(self, best: mx.array) -> None:
         """New n-grams along the columns; the window moves up a level."""
@@ -107,6 +100,18 @@ class LookaheadDrafter(TreeDrafter):
         for i in range(width):
             self._add(tuple(level[i] for level in self.levels) + (newest[i],))
         self.levels = self.levels[1:] + [newest]
+
+
+def _window_shape(width: int, levels: int) -> tuple[list[int], np.ndarray]:
+    """Depths and visibility of the window's nodes (level-major): level l, column i sees
+    level 0's columns 0..i and its own column's levels 1..l."""
+    index = {(lv, i): lv * width + i for lv in range(levels) for i in range(width)}
+    visible = np.zeros((levels * width, levels * width), dtype=bool)
+    for (lv, i), j in index.items():
+        visible[j, [index[(0, c)] for c in range(i + 1)]] = True
+        visible[j, [index[(u, i)] for u in range(1, lv + 1)]] = True
+    depths = [i + 1 + lv for lv in range(levels) for i in range(width)]
+    return depths, visible
 
 
 def trie(grams: list[tuple[int, ...]]) -> TokenTree:

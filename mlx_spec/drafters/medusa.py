@@ -161,6 +161,12 @@ def load_medusa_heads(path: str, dtype: mx.Dtype | None = None) -> MedusaHeads:
         want = config.get("medusa_num_heads", config.get("num_heads"))
         if want is not None and want > heads:
             raise ValueError(f"the config names {want} Medusa heads; the weights hold {heads}")
+    return medusa_heads(params, heads, layers, dtype)
+
+
+def medusa_heads(params: dict, heads: int, layers: int, dtype=None) -> MedusaHeads:
+    """`MedusaHeads` from `medusa_params`' output, every shape checked, in `dtype` (default: as
+    given; float32 on the CPU)."""
     vocab, hidden = params["heads.0.out.weight"].shape
     for name, value in params.items():
         expected = {"out.weight": (vocab, hidden), "linear.weight": (hidden, hidden)}
