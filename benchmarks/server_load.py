@@ -16,8 +16,9 @@ to back (different prompts, greedy, up to `--max-tokens` tokens each), and the s
 After the load rows of each mode comes one conversation (`--turns`, default 4): each turn's
 prompt is the previous prompt + its reply + `--turn-tokens` new tokens of held-out text, and
 its time to first token is reported with the prompt tokens the server took from its prompt
-cache (each mode's conversation opens with its own line, so none reuses another's). The same rows and conversation are measured on `mlx_lm.server` (skip with
-`--no-peer`), on a float32 copy of the model. Both servers run at once, and every repeat
+cache (each mode's conversation opens with its own line, so none reuses another's). The
+same rows and conversation are measured on `mlx_lm.server` (skip with `--no-peer`), on a
+float32 copy of the model. Both servers run at once, and every repeat
 (`--repeats`, default 3) runs each N for every mode and the peer back to back, in an order
 rotated per repeat, so a change in the machine's load falls on all of them alike; the rows
 are the medians over the repeats, and each mode's throughput is printed over the peer's at

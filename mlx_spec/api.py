@@ -15,7 +15,7 @@ from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter, unique_id
-from mlx_spec.drafters.branching import BranchingDraftModel
+from mlx_spec.drafters.branching import BranchingDraftModel, BranchingMTP
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.lookahead import LookaheadDrafter
@@ -27,7 +27,7 @@ from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
 from mlx_spec.stopping import StopMatcher
-from mlx_spec.tree import TreeDrafter, TreeTarget, tree_rounds
+from mlx_spec.tree import TreeAsChain, TreeDrafter, TreeTarget, tree_rounds, tree_unsupported
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -168,6 +168,15 @@ def load_branching_drafter(
     position, each continued greedily (verified as a tree in one target pass)."""
     model, _ = load(path_or_hub_id, revision=revision)
     return BranchingDraftModel(model, width=width, max_depth=max_depth)
+
+
+def load_branching_mtp(
+    path: str, model: nn.Module, *, width: int = 2, max_depth: int = 4
+) -> BranchingMTP:
+    """Load the MTP head converted beside `model` as a tree drafter: its `width` best
+    candidates after the pending token, each continued by the head's own greedy chain."""
+    module = mtp_drafter.load_mtp_drafter(path, model).module
+    return BranchingMTP(module, width=width, max_depth=max_depth)
 
 
 def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:
@@ -322,6 +331,11 @@ def stream_generate(
     drafter = _resolve_drafter(drafter, model)
     if num_draft == 0:
         drafter = None
+    if isinstance(drafter, TreeDrafter) and (reason := tree_unsupported(model)) is not None:
+        warnings.warn(
+            f"{reason}: {drafter.name} drafts chains (its first candidates) instead", stacklevel=2
+        )
+        drafter = TreeAsChain(drafter)
     stats = SpecStats(
         drafter=drafter.name if drafter else "none",
         num_draft=draft_label(num_draft),

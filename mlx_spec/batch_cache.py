@@ -107,6 +107,13 @@ class _Positions:
         self.lengths = [self.lengths[0] + len(rows)]
         self.offset = mx.array(self.lengths, mx.int32)
 
+    def drop_tree(self) -> None:
+        """Give the whole tree's columns back (none of its nodes stays)."""
+        n = self.tree[0].shape[0]
+        self.pos[:, self.tree_start : self.tree_start + n] = EMPTY
+        self.idx = self.tree_start
+        self.tree = None
+
     def mask(self, n: int, window: int | None) -> mx.array:
         """`[B, 1, n, idx + n]` bool: query j of row i (position offset_i + j) sees the columns
         holding positions <= its own (and within the window); a tree's node sees, of the
@@ -275,6 +282,11 @@ class BatchCache:
         """Keep the tree's root and accepted path (`rows`: 0, then node index + 1 each)."""
         for group in self.groups.values():
             group.keep_tree(rows)
+
+    def drop_tree(self) -> None:
+        """Drop the tree's root and nodes: the cache is as before the pass."""
+        for group in self.groups.values():
+            group.drop_tree()
 
     @property
     def state(self) -> list[mx.array]:

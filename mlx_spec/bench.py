@@ -69,6 +69,11 @@ The cost model (the analytic bound), in units of one plain decoding step (1 / pl
   is rolled back after each pass. Medians of `micro_repeats` passes after two warm-up passes,
   the sizes and temperatures interleaved. `verify_cost[j]` (v_j) is the (j + 1)-token pass
   over the plain step; for the result rows, v_k.
+- Tree modes (medusa, lookahead, draft-tree, mtp-tree): `draft_cost` is per level of the
+  tree drafted (`draft_tree()` timed), `target_pass_ms` also holds passes of 2k + 1 tokens (a
+  two-branch tree of depth k and its root; lookahead's largest pass), `nodes_per_pass` is the
+  mean of the tokens a tree round's pass scored, and `predicted_speedup` is left out (the chain
+  model's v_k is not a tree's pass); `benchmarks/tree_prediction.py` applies the model to them.
 - `draft_cost` (c): the drafter's time per drafted token (`draft_ms`) over the plain step,
   measured in situ: the timed run wraps the drafter and times each `draft()` call until its
   tokens and probabilities are evaluated (for a draft model or an MTP head: k forward passes,
@@ -107,7 +112,7 @@ from mlx_spec import _blas, embedded
 from mlx_spec.api import SOURCE_ATTR, encode_prompt
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.drafters.branching import BranchingDraftModel
+from mlx_spec.drafters.branching import BranchingDraftModel, BranchingMTP
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.lookahead import LookaheadDrafter
 from mlx_spec.drafters.mtp import MTP_DIR
@@ -115,6 +120,7 @@ from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.runner import ModelRunner, context_limit
 from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
 from mlx_spec.stats import SpecStats, merge_stats
+from mlx_spec.tree import TreeDrafter
 
 import mlx.core as mx
 import numpy as np
@@ -124,8 +130,10 @@ PLAIN, DRAFT_MODEL, NGRAM, MTP, PEER = "plain", "draft-model", "ngram", "mtp", "
 MEDUSA = "medusa"  # Medusa heads: a tree verified in one pass (k: the tree's depth)
 LOOKAHEAD = "lookahead"  # lookahead decoding (k: the n-grams' length, at most N - 1 = 2)
 DRAFT_TREE = "draft-tree"  # the draft model's top 2 first tokens, each continued greedily
+MTP_TREE = "mtp-tree"  # the MTP head's top 2 first tokens, each continued by the head
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
-MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, LOOKAHEAD, DRAFT_TREE, ALL, PEER)
+MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, ALL, PEER)
+TREE_MODES = (MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE)
 SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
@@ -482,6 +490,46 @@ class TimedDrafter(Drafter):
         self.inner.accept(num_accepted, emitted, hidden)
 
 
+class TimedTreeDrafter(TreeDrafter):
+    """Wraps a tree drafter and times each `draft_tree()`; `drafted` counts levels."""
+
+    def __init__(self, inner: TreeDrafter):
+        self.inner = inner
+        self.name, self.needs_hidden = inner.name, inner.needs_hidden
+        self.max_depth = inner.max_depth
+        self.seconds = 0.0
+        self.drafted = 0
+        self.nodes, self.rounds = 0, 0  # tokens of the trees' passes (root included), rounds
+
+    def check_compatible(self, hidden_size: int, vocab_size: int) -> None:
+        self.inner.check_compatible(hidden_size, vocab_size)
+
+    def begin(self, prompt, hidden) -> None:
+        self.inner.begin(prompt, hidden)
+
+    def draft_tree(self, depth, vocab_size, sampling):
+        tic = time.perf_counter()
+        tree = self.inner.draft_tree(depth, vocab_size, sampling)
+        if tree.probs is not None:
+            mx.eval(tree.probs)
+        self.seconds += time.perf_counter() - tic
+        self.drafted += tree.depth
+        self.nodes += 1 + len(tree)
+        self.rounds += 1
+        return tree
+
+    def accept(self, tokens, hidden) -> None:
+        self.inner.accept(tokens, hidden)
+
+    def side_branch(self):
+        side = self.inner.side_branch()
+        self.nodes += 0 if side is None else len(side.tokens)
+        return side
+
+    def observe_side(self, best) -> None:
+        self.inner.observe_side(best)
+
+
 # --- the cost model ------------------------------------------------------------------------
 
 
@@ -631,6 +679,7 @@ class BenchResult:
     drafter_rounds: dict[str, int] = field(default_factory=dict)
     matches_plain: bool | None = None
     generations: int = 0
+    nodes_per_pass: float | None = None  # tree modes: tokens a tree round's pass scores
     stats: SpecStats | None = field(default=None, repr=False)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
 
@@ -951,7 +1000,7 @@ def _load(config: BenchConfig) -> _Loaded:
         size = param_count(draft.model) / 1e6
         header["draft_model"] = f"{_shown(draft_path)} ({size:.1f}M parameters)"
     mtp = None
-    if _wants(config, MTP):
+    if _wants(config, MTP) or _wants(config, MTP_TREE):
         local = Path(getattr(model, SOURCE_ATTR, model_path))  # a hub id's download
         mtp_path = config.mtp
         if mtp_path is None and (local / MTP_DIR / "config.json").is_file():
@@ -960,7 +1009,9 @@ def _load(config: BenchConfig) -> _Loaded:
             mtp = mlx_spec.load_mtp_drafter(mtp_path or str(local), model)
             header["mtp"] = _shown(Path(mtp_path) if mtp_path else local / MTP_DIR)
         elif config.modes is not None:
-            raise ValueError(f"mode mtp: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR")
+            raise ValueError(
+                f"mode mtp/mtp-tree: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR"
+            )
     medusa = None
     if config.modes is not None and MEDUSA in config.modes:  # tree modes run when asked for
         local = Path(getattr(model, SOURCE_ATTR, model_path))
@@ -1016,6 +1067,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
         out[LOOKAHEAD] = LookaheadDrafter()
     if config.modes is not None and DRAFT_TREE in config.modes and loaded.draft is not None:
         out[DRAFT_TREE] = BranchingDraftModel(loaded.draft.model, width=2, max_depth=8)
+    if config.modes is not None and MTP_TREE in config.modes and loaded.mtp is not None:
+        out[MTP_TREE] = BranchingMTP(loaded.mtp.module, width=2, max_depth=8)
     return out
 
 
@@ -1144,9 +1197,21 @@ def _run(config: BenchConfig, loaded: _Loaded, say: Callable[[str], None]) -> Be
     cost_context = round(statistics.mean(len(p.ids) for p in prompts) + config.max_tokens / 2)
     if limits:
         cost_context = min(cost_context, min(limits) - longest_draft(config) - 2)
-    sizes = range(1, longest_draft(config) + 2)
+    sizes = set(range(1, longest_draft(config) + 2))
+    for s in settings:  # tree passes: two-branch trees (2k nodes), lookahead's at most
+        if s.mode in (MEDUSA, DRAFT_TREE, MTP_TREE):
+            sizes |= {2 * k + 1 for k in config.num_draft}
+        elif s.mode == LOOKAHEAD:
+            d, levels = s.drafter, s.drafter.ngram - 1
+            sizes |= {
+                1 + d.candidates * min(k, levels) + d.window * levels for k in config.num_draft
+            }
+    sizes = sorted(sizes)
     passes = PassTimer(loaded.model, vocab, first, cost_context, sizes, config.temperatures)
     timed = {i: TimedDrafter(s.drafter) for i, s in enumerate(settings) if s.mode in SPEC_MODES}
+    timed |= {
+        i: TimedTreeDrafter(s.drafter) for i, s in enumerate(settings) if s.mode in TREE_MODES
+    }
     micro = [config.micro_repeats // config.repeats] * config.repeats
     micro[0] += config.micro_repeats - sum(micro)
     say(f"warm-up done; {len(settings)} configurations x {len(prompts)} prompts")
@@ -1231,6 +1296,7 @@ def _result(s: _Setting, runs: list[list[Run]], timed: TimedDrafter | None) -> B
         rollback_share=(sum(rollback) / decode if decode else 0.0) if measured_rollback else None,
         expected_tokens_per_round=expected_tokens_per_round(stats),
         draft_ms=timed.seconds / timed.drafted * 1e3 if timed and timed.drafted else None,
+        nodes_per_pass=timed.nodes / timed.rounds if getattr(timed, "rounds", 0) else None,
         draft_cost=None,
         verify_cost=None,
         predicted_speedup=None,
@@ -1275,6 +1341,7 @@ def _relate(results: list[BenchResult], runs: dict, settings: list[_Setting], st
                 ours.vs_mlx_lm = r.vs_mlx_lm = ours.tokens_per_sec / r.tokens_per_sec
         if draft_ms is not None and r.stats is not None:
             r.draft_cost = draft_ms / 1e3 / unit[t]
+        if r.draft_cost is not None and r.mode not in TREE_MODES:  # trees: tree_prediction.py
             r.predicted_speedup = predicted_speedup(r.stats, r.draft_cost, verify[t])
             if r.predicted_speedup:
                 r.realized_over_predicted = r.speedup / r.predicted_speedup

@@ -64,8 +64,8 @@ def _add_generate(sub) -> None:
         "--branches",
         type=int,
         metavar="B",
-        help="with --draft-model: draft a tree, the draft model's B best first tokens each "
-        "continued greedily, verified in one target pass",
+        help="with --draft-model or --mtp: draft a tree, the drafter's B best first tokens "
+        "each continued greedily, verified in one target pass",
     )
     p.add_argument(
         "--tree-size",
@@ -108,7 +108,10 @@ def _drafter(args, model):
         chosen.append(mlx_spec.load_branching_drafter(args.draft_model, width=args.branches))
     elif args.draft_model:
         chosen.append(mlx_spec.load_drafter(args.draft_model))
-    if args.mtp is not None:
+    if args.mtp is not None and getattr(args, "branches", None):
+        path = args.mtp or args.model
+        chosen.append(mlx_spec.load_branching_mtp(path, model, width=args.branches))
+    elif args.mtp is not None:
         chosen.append(mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp")
     if args.assistant:
         chosen.append(mlx_spec.load_gemma4_assistant(args.assistant, model))
@@ -437,7 +440,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     p.add_argument(
         "--modes",
-        help="comma-separated subset of plain,draft-model,ngram,mtp,all,mlx-lm (default: all)",
+        help="comma-separated subset of plain,draft-model,ngram,mtp,all,mlx-lm (default: all); "
+        "tree modes, run only when named: medusa,lookahead,draft-tree,mtp-tree",
     )
     p.add_argument("--num-draft", help="k sweep, comma-separated (default 1,2,4,8)")
     p.add_argument(

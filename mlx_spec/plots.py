@@ -24,6 +24,7 @@ MODE_COLORS = {
     "medusa": "#8c564b",
     "lookahead": "#e377c2",
     "draft-tree": "#17becf",
+    "mtp-tree": "#bcbd22",
     ALL: "#ff7f0e",
     PEER: "#9467bd",
 }

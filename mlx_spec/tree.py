@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 
 from mlx_spec.batch_cache import EMPTY, BatchCache, batchable
 from mlx_spec.decode import Round
+from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.hidden import tap_hidden
+from mlx_spec.models.mtp import target_hidden_size
 from mlx_spec.policy import DraftPolicy
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig, logits_to_probs, pick
@@ -234,18 +236,28 @@ def rope_modules(model: nn.Module) -> list[nn.Module]:
 
 def enable_tree_positions(model: nn.Module) -> None:
     """Let the model's RoPEs take per-token positions during tree passes (idempotent)."""
-    ropes = rope_modules(model)
-    if not ropes:
-        raise ValueError(
-            f"tree verification needs the model's rotary embeddings; "
-            f"{type(model).__module__} has none named rope / rotary_emb"
-        )
-    for module in ropes:
+    for module in rope_modules(model):
         if type(module) not in _ROPE_SUBCLASSES.values():
             module.__class__ = _tree_rope_subclass(type(module))
 
 
 # --- the target ----------------------------------------------------------------------------
+
+
+def tree_unsupported(model: nn.Module) -> str | None:
+    """Why this model cannot score a tree in one pass (None: it can)."""
+    if not batchable(model):
+        return (
+            f"tree verification needs a model whose layers all use attention caches; "
+            f"{type(model).__module__.split('.')[-1]} has recurrent state, which cannot "
+            "score several branches in one pass"
+        )
+    if not rope_modules(model):
+        return (
+            f"tree verification needs the model's rotary embeddings; "
+            f"{type(model).__module__} has none named rope / rotary_emb"
+        )
+    return None
 
 
 class TreeTarget:
@@ -259,12 +271,9 @@ class TreeTarget:
     """
 
     def __init__(self, model: nn.Module, vocab_size: int, *, keep_hidden: bool = False):
-        if not batchable(model):
-            raise ValueError(
-                f"tree verification needs a target whose layers all use attention caches; "
-                f"{type(model).__module__.split('.')[-1]} has recurrent state, which cannot "
-                "score several branches in one pass: draft a chain instead"
-            )
+        reason = tree_unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
         enable_tree_positions(model)
         self.model, self.vocab_size = model, vocab_size
         self.context_limit = context_limit(model)
@@ -277,29 +286,43 @@ class TreeTarget:
         """Tokens in the cache."""
         return self.cache.lengths[0]
 
-    def prefill(self, tokens: list[int]) -> mx.array | None:
+    def _forward(self, tokens: list[int] | mx.array, fed: mx.array | None) -> mx.array:
+        x = tokens if isinstance(tokens, mx.array) else mx.array(tokens, mx.uint32)
+        x = x.astype(mx.uint32).reshape(1, -1)
+        if fed is None:
+            return self.model(x, cache=self.cache.layers)
+        return self.model(x, cache=self.cache.layers, hidden=fed[None])
+
+    def prefill(
+        self, tokens: list[int], fed: mx.array | None = None, *, sync: bool = True
+    ) -> mx.array | None:
         """Feed tokens whose logits are not needed; returns their `[len, hidden]` final hidden
-        states when kept, else None."""
+        states when kept, else None. `fed`: `[len, T]` hidden states the model takes beside
+        the tokens (an MTP head run as the model). `sync=False`: leave the work queued (a
+        few tokens that ride along with the pass after them)."""
         kept = []
         for start in range(0, len(tokens), PREFILL_STEP):
             chunk = tokens[start : start + PREFILL_STEP]
             self.cache.begin([len(chunk)])
-            self.model(mx.array([chunk], mx.uint32), cache=self.cache.layers)
+            self._forward(chunk, None if fed is None else fed[start : start + len(chunk)])
             self.cache.end([len(chunk)])
             kept += [self._tap.hidden[0]] if self._tap is not None else []
-            mx.eval(self.cache.state, kept[-1:])
+            if sync:
+                mx.eval(self.cache.state, kept[-1:])
         if self._tap is None:
             return None
         return mx.concatenate(kept) if kept else mx.zeros((0, 1))
 
-    def score(self, root: int, tree: TokenTree) -> tuple[mx.array, mx.array | None]:
+    def score(
+        self, root: int, tree: TokenTree, fed: mx.array | None = None
+    ) -> tuple[mx.array, mx.array | None]:
         """Feed the root and every node in one pass: `[N + 1, vocab]` logits (row 0: after the
         root, row 1 + i: after node i) and the `[N + 1, hidden]` hidden states (if kept).
-        `settle` must follow before the next pass."""
-        return self.score_graph(root, tree.tokens, tree.depths, tree.ancestors())
+        `fed`: as in `prefill`, `[N + 1, T]`. `settle` must follow before the next pass."""
+        return self.score_graph(root, tree.tokens, tree.depths, tree.ancestors(), fed)
 
     def score_graph(
-        self, root: int, tokens: list[int], depths: list[int], visible
+        self, root: int, tokens: list[int], depths: list[int], visible, fed=None
     ) -> tuple[mx.array, mx.array | None]:
         """`score` for any graph of nodes under the root: node j at position offset +
         depths[j] (non-decreasing), seeing row c when `visible[1 + j, c]` (row 0: the root,
@@ -307,9 +330,12 @@ class TreeTarget:
         depths = [0] + list(depths)
         self.cache.begin_tree(depths, visible)
         _ACTIVE.depths = mx.array(depths, mx.int32)
+        if isinstance(tokens, mx.array):  # queued tokens (a drafter's own, not yet read)
+            tokens = mx.concatenate([mx.array([root], mx.uint32), tokens.astype(mx.uint32)])
+        else:
+            tokens = [root] + list(tokens)
         try:
-            x = mx.array([[root] + list(tokens)], mx.uint32)
-            logits = self.model(x, cache=self.cache.layers)[0, :, : self.vocab_size]
+            logits = self._forward(tokens, fed)[0, :, : self.vocab_size]
         finally:
             _ACTIVE.depths = None
         self.cache.end_tree()
@@ -331,7 +357,7 @@ class TreeTarget:
         propose)."""
         if not self._pending:
             raise RuntimeError("settle_none() without a scored tree")
-        self.cache.keep_tree([])
+        self.cache.drop_tree()
         self._pending = False
 
     def plain_step(self, token, sampling: SamplingConfig) -> tuple[mx.array, mx.array | None]:
@@ -359,11 +385,13 @@ __all__ = [
     "EMPTY",
     "TokenTree",
     "TreeDrafter",
+    "TreeAsChain",
     "TreeTarget",
     "enable_tree_positions",
     "greedy_tree_verify",
     "tree_rejection_verify",
     "tree_rounds",
+    "tree_unsupported",
     "verify_tree",
 ]
 
@@ -393,8 +421,9 @@ class TreeDrafter:
 
     def accept(self, tokens: list[int], hidden: mx.array | None) -> None:
         """After a round: the tokens that joined the sequence after the old pending token
-        (the last is the new pending one) and the `[T]` hidden state of the last token now in
-        the target's cache (with `needs_hidden`)."""
+        (the last is the new pending one) and, with `needs_hidden`, the target's
+        `[len(tokens), T]` hidden states at the positions whose next token each of them is
+        (row 0: the old pending token's; the last row: the last token now in the cache)."""
         raise NotImplementedError
 
     def side_branch(self) -> SideBranch | None:
@@ -403,6 +432,38 @@ class TreeDrafter:
 
     def observe_side(self, best: mx.array) -> None:
         """The target's argmax after each node of the side branch, in its order."""
+
+
+class TreeAsChain(Drafter):
+    """A tree drafter drafting chains, for targets that cannot score trees: each round its
+    tree's first branch (each node's first child), verified as an ordinary chain."""
+
+    def __init__(self, tree_drafter: TreeDrafter):
+        self.tree_drafter = tree_drafter
+        self.name = tree_drafter.name
+        self.needs_hidden = tree_drafter.needs_hidden
+        self.vocab_size = 0
+
+    def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:
+        self.tree_drafter.check_compatible(target_hidden_size(target), vocab_size)
+
+    def begin(self, prompt: list[int], vocab_size: int, hidden: mx.array | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.tree_drafter.begin(prompt, hidden)
+
+    def draft(self, k: int, sampling: SamplingConfig) -> Draft:
+        depth = min(k, self.tree_drafter.max_depth)
+        tree = self.tree_drafter.draft_tree(depth, self.vocab_size, sampling) if depth else None
+        if not tree:
+            return Draft.empty()
+        children, path = tree.children(), []
+        while children[path[-1] + 1 if path else 0]:
+            path.append(children[path[-1] + 1 if path else 0][0])
+        probs = None if tree.probs is None else tree.probs[mx.array(path)]
+        return Draft(mx.array([tree.tokens[i] for i in path], mx.uint32), probs)
+
+    def accept(self, num_accepted: int, emitted: list[int], hidden: mx.array | None = None) -> None:
+        self.tree_drafter.accept(emitted, hidden)
 
 
 def tree_rounds(
@@ -500,8 +561,8 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
         keep = len(tokens) if rnd.keep is None else max(1, min(rnd.keep, len(tokens)))
         kept = [tree_at[i] for i in path[: keep - 1]]  # the last kept token stays pending
         target.settle(kept)
-        row = kept[-1] + 1 if kept else 0
-        drafter.accept(tokens[:keep], None if hidden is None else hidden[row])
+        rows = mx.array([0] + [i + 1 for i in kept])
+        drafter.accept(tokens[:keep], None if hidden is None else hidden[rows])
         state["produced"] += keep
         state["last"] = tokens[keep - 1]
         policy.observe_round(0, depth, tree.depth, len(kept), time.perf_counter() - tic)
@@ -536,7 +597,7 @@ def _plain_stretch(target, drafter, state, count, sampling, policy, stats) -> It
     rnd, ahead, settled, done = None, None, True, 0
 
     def follow() -> None:
-        drafter.accept(rnd.tokens, hidden)
+        drafter.accept(rnd.tokens, None if hidden is None else hidden[None])
         state["produced"] += 1
         state["last"] = rnd.tokens[0]
         if stats is not None:

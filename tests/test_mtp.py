@@ -10,6 +10,7 @@ import sys
 import mlx_spec
 import mlx_spec.decode
 from convert import Quantization, convert_checkpoint
+from mlx_spec.drafters.branching import BranchingMTP
 from mlx_spec.drafters.mtp import MTPDrafter, load_mtp_drafter
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
@@ -323,3 +324,52 @@ def test_other_mtp_checkpoint_shapes(tmp_path, family, options, quantization):
     plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=16).tokens
     spec = mlx_spec.generate(model, tok, PROMPT, drafter="mtp", num_draft=3, max_tokens=16)
     assert spec.tokens == plain and spec.stats.drafted > 0
+
+
+class RecordingTree(BranchingMTP):
+    """A branching MTP drafter recording (sequence so far, its tree) every round."""
+
+    def begin(self, prompt, hidden):
+        self.sequence, self.rounds = list(prompt), []
+        super().begin(prompt, hidden)
+
+    def draft_tree(self, depth, vocab_size, sampling):
+        tree = super().draft_tree(depth, vocab_size, sampling)
+        self.rounds.append((list(self.sequence), depth, tree))
+        return tree
+
+    def accept(self, tokens, hidden):
+        self.sequence += tokens
+        super().accept(tokens, hidden)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "mimo"])
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_branching_mtp_equals_plain_and_chains(loaded, converted, family, depth):
+    """The MTP head's two best first tokens, each continued by the head: greedy output equals
+    plain decoding, and every round's first branch is exactly the chain a fresh chain drafter
+    begun on the same sequence drafts (pairs and fed-back hidden states line up, through
+    rounds and plain stretches)."""
+    model, tok = loaded[family]
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=30).tokens
+    module = load_mtp_drafter(str(converted[family]), model).module
+    drafter = RecordingTree(module, width=2, max_depth=depth)
+    result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=depth, max_tokens=30)
+    assert result.tokens == plain and result.stats.drafter == "mtp-tree"
+    assert len(drafter.rounds) > 3
+    chain = MTPDrafter(module, model)
+    for sequence, k, tree in drafter.rounds:
+        assert len(tree) == 2 * k and tree.parents[:2] == [-1, -1]
+        first = [tree.tokens[0]] + [tree.tokens[i] for i in range(2, len(tree), 2)]
+        assert fresh_draft(chain, model, sequence, k, hfm.VOCAB) == first, len(sequence)
+
+
+def test_branching_mtp_on_a_hybrid_target_drafts_chains(loaded, converted):
+    """Qwen3.5 (recurrent layers) cannot score a tree in one pass: the tree drafter falls back
+    to chains with the reason stated, and stays lossless."""
+    model, tok = loaded["qwen3_5"]
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=20).tokens
+    drafter = mlx_spec.load_branching_mtp(str(converted["qwen3_5"]), model)
+    with pytest.warns(UserWarning, match="recurrent state.*drafts chains"):
+        result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=3, max_tokens=20)
+    assert result.tokens == plain and result.stats.drafted > 0

@@ -1,8 +1,9 @@
-"""A draft model proposing a tree: its top candidates at the first position, each continued
-by its own greedy chain.
+"""Drafters proposing a tree: their top candidates at the first position, each continued by
+its own greedy chain. Two kinds: a small draft model, and an MTP head (fed the target's hidden
+states, and its own output hidden state down each branch).
 
-The draft model runs on its own one-row `TreeTarget`, so each drafting pass scores the whole
-partial tree (every branch sees only its own ancestors); the pass's columns are dropped
+The drafting network runs on its own one-row `TreeTarget`, so each drafting pass scores the
+whole partial tree (every branch sees only its own ancestors); the pass's columns are dropped
 afterwards and the cache keeps only the verified sequence. The candidates are chosen, not
 sampled, so the verifier treats them as one-hot: the output stays exactly the target's at any
 temperature.
@@ -10,15 +11,68 @@ temperature.
 
 from __future__ import annotations
 
+from mlx_spec.models.mtp import MTPModule, target_hidden_size
 from mlx_spec.sampling import SamplingConfig
-from mlx_spec.tree import TokenTree, TreeDrafter, TreeTarget
+from mlx_spec.tree import PREFILL_STEP, TokenTree, TreeDrafter, TreeTarget
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 
-class BranchingDraftModel(TreeDrafter):
+class _Branching(TreeDrafter):
+    """The tree grown level by level: `width` candidates under the root, one under every other
+    leaf. Subclasses feed the network (`_feed_unfed`) and say what each pass takes beside the
+    tokens (`_fed`)."""
+
+    def __init__(self, width: int, max_depth: int):
+        if width < 1 or max_depth < 1:
+            raise ValueError(f"width and max_depth must be >= 1, got {width}, {max_depth}")
+        self.width, self.max_depth = width, max_depth
+        self.runner: TreeTarget | None = None
+        self.pending: int | None = None
+
+    def _feed_unfed(self) -> None:
+        raise NotImplementedError
+
+    def _fed(self, parents: list[int], feedback: mx.array | None) -> mx.array | None:
+        """What a pass over the root and nodes with these parents takes beside the tokens,
+        given the previous pass's feedback (None: tokens alone)."""
+        return None
+
+    def _feedback(self) -> mx.array | None:
+        return None
+
+    def draft_tree(self, depth: int, vocab_size: int, sampling: SamplingConfig) -> TokenTree:
+        """Every level's pass is queued on the tokens the one before chose, unread: one
+        synchronisation per tree, when its tokens are read at the end."""
+        if self.pending is None:
+            return TokenTree([], [])
+        self._feed_unfed()
+        nodes = mx.zeros((0,), mx.uint32)
+        parents: list[int] = []
+        leaves = [-1]  # the nodes each next level grows from (-1: the root)
+        feedback = None
+        for level in range(depth):
+            shape = TokenTree([0] * len(parents), parents)
+            logits, _ = self.runner.score_graph(
+                self.pending, nodes, shape.depths, shape.ancestors(), self._fed(parents, feedback)
+            )
+            feedback = self._feedback()
+            rows = logits[mx.array([leaf + 1 for leaf in leaves]), :vocab_size]
+            self.runner.settle_none()
+            if level == 0:  # the root's best `width`, best first
+                width = min(self.width, vocab_size)
+                top = mx.argpartition(-rows[0], kth=width - 1)[:width]
+                new, grown = top[mx.argsort(-rows[0][top])], [-1] * width
+            else:  # one more greedy token under every leaf
+                new, grown = mx.argmax(rows, axis=-1), leaves
+            nodes = mx.concatenate([nodes, new.astype(mx.uint32)])
+            leaves = list(range(len(parents), len(parents) + len(grown)))
+            parents += grown
+        return TokenTree(nodes.tolist(), parents)
+
+
+class BranchingDraftModel(_Branching):
     """Args:
     model: the draft model (the target's tokenizer).
     width: candidates at the first position.
@@ -28,15 +82,11 @@ class BranchingDraftModel(TreeDrafter):
     name = "draft-tree"
 
     def __init__(self, model: nn.Module, width: int = 2, max_depth: int = 4):
-        if width < 1 or max_depth < 1:
-            raise ValueError(f"width and max_depth must be >= 1, got {width}, {max_depth}")
-        self.model, self.width, self.max_depth = model, width, max_depth
-        self.runner: TreeTarget | None = None
-        self.pending = 0
+        super().__init__(width, max_depth)
+        self.model = model
 
     def begin(self, prompt: list[int], hidden) -> None:
-        vocab = self.model.args.vocab_size
-        self.runner = TreeTarget(self.model, vocab)
+        self.runner = TreeTarget(self.model, self.model.args.vocab_size)
         self.unfed = list(prompt[:-1])  # fed to the draft model when it next drafts
         self.pending = prompt[-1]
 
@@ -46,25 +96,69 @@ class BranchingDraftModel(TreeDrafter):
         self.unfed += [self.pending] + tokens[:-1]
         self.pending = tokens[-1]
 
-    def draft_tree(self, depth: int, vocab_size: int, sampling: SamplingConfig) -> TokenTree:
+    def _feed_unfed(self) -> None:
         if self.unfed:
-            self.runner.prefill(self.unfed)
+            self.runner.prefill(self.unfed, sync=len(self.unfed) > PREFILL_STEP)
             self.unfed = []
-        tokens: list[int] = []
-        parents: list[int] = []
-        leaves = [-1]  # the nodes each next level grows from (-1: the root)
-        for level in range(depth):
-            tree = TokenTree(tokens, parents)
-            logits, _ = self.runner.score(self.pending, tree)
-            self.runner.settle_none()
-            rows = mx.array([leaf + 1 for leaf in leaves])
-            scores = np.array(logits[rows, :vocab_size])
-            grown = []
-            for leaf, row in zip(leaves, scores, strict=True):
-                count = self.width if level == 0 else 1
-                for token in np.argsort(-row)[:count].tolist():
-                    tokens.append(int(token))
-                    parents.append(leaf)
-                    grown.append(len(tokens) - 1)
-            leaves = grown
-        return TokenTree(tokens, parents)
+
+
+class BranchingMTP(_Branching):
+    """An MTP head proposing a tree. Its cache holds the pairs (h_p, t_{p+1}) of the verified
+    sequence; the root of each drafting pass is the newest pair (the target's hidden state
+    before the pending token, the pending token), and a node is fed with its parent's output
+    hidden state, as a chain step is fed with the step before it.
+
+    Args:
+        module: the MTP module (e.g. `load_mtp_drafter(...).module`), built on its target.
+        width: candidates at the first position.
+        max_depth: the deepest tree drafted.
+    """
+
+    name = "mtp-tree"
+    needs_hidden = True
+
+    def __init__(self, module: MTPModule, width: int = 2, max_depth: int = 4):
+        super().__init__(width, max_depth)
+        self.module = module
+        self.unfed: list[int] = []
+        self.unfed_hidden: list[mx.array] = []
+        self.root_hidden: mx.array | None = None
+
+    def check_compatible(self, hidden_size: int, vocab_size: int) -> None:
+        width = target_hidden_size(self.module)
+        if width != hidden_size:
+            raise ValueError(
+                f"the MTP head reads {width}-wide hidden states; the target's are {hidden_size}"
+            )
+
+    def begin(self, prompt: list[int], hidden: mx.array | None) -> None:
+        self.runner = TreeTarget(self.module, self.module._embed.weight.shape[0])
+        nexts = prompt[1:]  # the token after each position that has a hidden state
+        self.unfed, self.unfed_hidden = list(nexts[:-1]), [hidden[:-1]] if nexts else []
+        self.pending = nexts[-1] if nexts else None
+        self.root_hidden = hidden[-1] if nexts else None
+
+    def accept(self, tokens: list[int], hidden: mx.array | None) -> None:
+        """Pair i of the round is (hidden[i], tokens[i]); the last becomes the next root, the
+        old root and the others wait to be fed when the head next drafts."""
+        if self.pending is not None:
+            self.unfed.append(self.pending)
+            self.unfed_hidden.append(self.root_hidden[None])
+        self.unfed += tokens[:-1]
+        self.unfed_hidden.append(hidden[:-1])
+        self.pending, self.root_hidden = tokens[-1], hidden[-1]
+
+    def _feed_unfed(self) -> None:
+        if self.unfed:
+            fed, sync = mx.concatenate(self.unfed_hidden), len(self.unfed) > PREFILL_STEP
+            self.runner.prefill(self.unfed, fed=fed, sync=sync)
+        self.unfed, self.unfed_hidden = [], []
+
+    def _fed(self, parents: list[int], feedback: mx.array | None) -> mx.array:
+        rows = [self.root_hidden[None]]
+        if parents:
+            rows.append(feedback[mx.array([p + 1 for p in parents])])
+        return mx.concatenate(rows).astype(self.root_hidden.dtype)
+
+    def _feedback(self) -> mx.array:
+        return self.module.feedback[0]

@@ -265,7 +265,7 @@ class MedusaDrafter(TreeDrafter):
         self._hidden = None if hidden is None or hidden.shape[0] == 0 else hidden[-1]
 
     def accept(self, tokens: list[int], hidden: mx.array | None) -> None:
-        self._hidden = hidden
+        self._hidden = None if hidden is None else hidden[-1]
 
     def draft_tree(self, depth: int, vocab_size: int, sampling: SamplingConfig) -> TokenTree:
         """A tree of up to `depth` levels under the pending token."""
