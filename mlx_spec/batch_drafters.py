@@ -54,6 +54,11 @@ class BatchDrafter:
         """Drafts the row can have now, where the drafter can tell without drafting."""
         return None
 
+    def backlog(self, row: int) -> int:
+        """Tokens the row's next draft must feed before its own first token rides along
+        (what piled up while it did not draft); 0 for drafters without a model."""
+        return 0
+
     def reset(self) -> None:
         """Forget every row (after a failed step)."""
         self.rows = []
@@ -159,6 +164,9 @@ class _ModelDrafter(BatchDrafter):
 
     def available(self, row: int, k: int) -> int | None:
         return None if self._pending[row] else 0
+
+    def backlog(self, row: int) -> int:
+        return max(0, len(self._pending[row]) - 1)
 
     def reset(self) -> None:
         super().reset()

@@ -6,10 +6,11 @@ costs nearly k + 1 times a plain step, where it is memory-bound (a GPU, a small 
 nothing. So the batch, not each row, chooses K: each step the policy predicts, for K in 0..max,
 the tokens the batch emits (per row, E(k) from its drafter's measured acceptance by position)
 and the step's time (a linear model fitted online to the steps run: a fixed part, the tokens
-the target is fed, and the passes and rows of each model drafter), and picks the K with the most
-tokens per second; K = 0 is batched plain decoding. Speculation must beat plain decoding by a
-margin to be taken up (half of it to be kept); while it loses, a probe step runs now and then,
-less often the more a probe costs.
+the target is fed, the passes and rows of each model drafter, and the catch-up: what a model
+drafter must feed first after plain steps it sat out), and picks the K with the most tokens per
+second, the catch-up spread over the steps it enables; K = 0 is batched plain decoding.
+Speculation must beat plain decoding by a margin to be taken up (half of it to be kept); while
+it loses, a probe step runs now and then, less often the more a probe costs.
 
 Rows with a fixed `num_draft` draft that many whatever K is; rows that may use several
 drafters (a group) take the one with the most expected tokens per cost each step. The choice
@@ -34,28 +35,36 @@ class RowAsk:
         fixed: a fixed k (None: the batch's K).
         limit: the most drafts its output budget and context allow.
         available: per arm in `arms`, drafts it can have now (None: any number).
+        backlog: per arm in `arms`, tokens its drafter must feed before drafting (piled up
+            over plain steps); empty: none.
     """
 
     arms: list[int]
     fixed: int | None = None
     limit: int = 0
     available: list[int | None] = field(default_factory=list)
+    backlog: list[int] = field(default_factory=list)
+
+    def backlog_of(self, arm: int) -> int:
+        return self.backlog[self.arms.index(arm)] if self.backlog else 0
 
 
 class _Costs:
     """Seconds of a step. A plain step of B rows: a running average per B (the nearest B
     stands in for one not seen). A step where a set of drafters drafts up to K per row: the
-    plain step of its B plus c0 + K (c1 + c2 B): a switch out of the pipelined plain steps,
-    then per draft position a drafter pass and B more tokens in the target's pass. c0, c1,
-    c2 are fitted per drafter set by least squares over the steps run (decayed, all batch
-    sizes pooled, so that what B = 8 taught serves B = 5), behind a prior of a few steps'
-    weight: 0.05, 0.1 and 0.1 of a one-row plain step."""
+    plain step of its B plus c0 + K (c1 + c2 B) + c3 W: a switch out of the pipelined plain
+    steps, then per draft position a drafter pass and B more tokens in the target's pass, and
+    per catch-up token (W: what the model drafters feed first beyond a speculative step's
+    own, after plain steps) its share of their first pass. c0 .. c3 are fitted per drafter
+    set by least squares over the steps run (decayed, all batch sizes pooled, so that what
+    B = 8 taught serves B = 5), behind a prior of a few steps' weight: 0.05, 0.1, 0.1 and
+    0.01 of a one-row plain step."""
 
     def __init__(self, decay: float = 0.97, alpha: float = 0.2, prior_weight: float = 3.0):
         self.decay, self.alpha, self.prior_weight = decay, alpha, prior_weight
         self.plain: dict[int, float] = {}
-        self.fits: dict[tuple, list] = {}  # arms -> [x^T x (3x3), x^T y (3)]
-        self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2), until the next step
+        self.fits: dict[tuple, list] = {}  # arms -> [x^T x (4x4), x^T y (4)]
+        self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2, c3), until a step
 
     def plain_seconds(self, rows: int) -> float:
         if rows in self.plain:
@@ -71,36 +80,36 @@ class _Costs:
         near = max(below) if below else min(above)
         return self.plain[near]
 
-    def _weights(self, arms: tuple) -> np.ndarray:
+    def weights(self, arms: tuple) -> np.ndarray:
         if arms not in self._solved:
             self._solved[arms] = self._solve(arms)
         return self._solved[arms]
 
     def _solve(self, arms: tuple) -> np.ndarray:
         base = self.plain_seconds(1)
-        prior = np.array([0.05, 0.1, 0.1]) * base
-        ridge = self.prior_weight * np.diag([1.0, 1.0, 16.0])  # a few one-draft steps of B = 4
-        xtx, xty = self.fits.get(arms, (np.zeros((3, 3)), np.zeros(3)))
+        prior = np.array([0.05, 0.1, 0.1, 0.01]) * base
+        ridge = self.prior_weight * np.diag([1.0, 1.0, 16.0, 16.0])  # a few small steps
+        xtx, xty = self.fits.get(arms, (np.zeros((4, 4)), np.zeros(4)))
         weights = np.linalg.solve(xtx + ridge, xty + ridge @ prior)
         return np.maximum(weights, 0.0)  # no part of a step makes it cheaper
 
-    def seconds(self, rows: int, big_k: int, arms: tuple) -> float:
+    def seconds(self, rows: int, big_k: int, arms: tuple, catch_up: float = 0.0) -> float:
         plain = self.plain_seconds(rows)
         if big_k == 0:
             return plain
-        c0, c1, c2 = self._weights(arms)
-        return plain + c0 + big_k * (c1 + c2 * rows)
+        c0, c1, c2, c3 = self.weights(arms)
+        return plain + c0 + big_k * (c1 + c2 * rows) + c3 * catch_up
 
-    def observe(self, rows: int, big_k: int, arms: tuple, seconds: float) -> None:
+    def observe(self, rows: int, big_k: int, arms: tuple, seconds: float, catch_up=0) -> None:
         self._solved.clear()
         if big_k == 0:
             old = self.plain.get(rows)
             self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
             return
-        predicted = self.seconds(rows, big_k, arms)
+        predicted = self.seconds(rows, big_k, arms, catch_up)
         extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
-        x = np.array([1.0, big_k, big_k * rows])
-        xtx, xty = self.fits.get(arms, (np.zeros((3, 3)), np.zeros(3)))
+        x = np.array([1.0, big_k, big_k * rows, catch_up])
+        xtx, xty = self.fits.get(arms, (np.zeros((4, 4)), np.zeros(4)))
         self.fits[arms] = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * extra)
 
 
@@ -111,6 +120,7 @@ class BatchChoice:
     num_draft: int
     rows: list[tuple[int | None, int]]
     probe: bool = False
+    catch_up: int = 0  # the catch-up tokens of the step (see `_Costs`)
 
 
 class BatchDraftPolicy:
@@ -127,6 +137,8 @@ class BatchDraftPolicy:
             would exceed `probe_budget` of the time between probes.
         explore_every: every this many speculative steps, K one above or below the best runs
             instead, so that the cost model sees more than one width.
+        horizon: the speculative steps a catch-up is expected to serve (its cost is spread
+            over them when choosing).
     """
 
     def __init__(
@@ -142,6 +154,7 @@ class BatchDraftPolicy:
         probe_max: int = 32,
         probe_budget: float = 0.01,
         explore_every: int = 8,
+        horizon: int = 8,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -149,7 +162,7 @@ class BatchDraftPolicy:
         self.prior_accept, self.prior_weight, self.decay = prior_accept, prior_weight, decay
         self.margin = margin
         self.probe_min, self.probe_max, self.probe_budget = probe_min, probe_max, probe_budget
-        self.explore_every = explore_every
+        self.explore_every, self.horizon = explore_every, horizon
         self.costs = _Costs(decay)
         self._plain_seen = 0  # plain steps measured (the first ones set the cost prior)
         self._speculating = False
@@ -206,21 +219,34 @@ class BatchDraftPolicy:
             out.append([expected_tokens(acceptance, k) for k in range(self.max_draft + 1)])
         return out
 
-    def _rate(self, rows: list[tuple[int | None, int]], tokens: float) -> float:
-        return tokens / self.costs.seconds(*self.shape(rows))
+    @staticmethod
+    def catch_up(asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int:
+        """W of a step: per model drafter, its drafting rows times how far the longest
+        backlog among them exceeds the step's K (a speculative step's own emitted tokens
+        are no catch-up; the first pass is as wide as its longest row)."""
+        big_k = max((k for _, k in rows), default=0)
+        widest: dict[int, list[int]] = {}
+        for ask, (arm, k) in zip(asks, rows, strict=True):
+            if arm is not None and k > 0:
+                widest.setdefault(arm, []).append(ask.backlog_of(arm))
+        return sum(len(b) * max(0, max(b) - big_k) for b in widest.values())
+
+    def _rate(self, asks, rows: list[tuple[int | None, int]], tokens: float) -> float:
+        spread = self.catch_up(asks, rows) / self.horizon
+        return tokens / self.costs.seconds(*self.shape(rows), spread)
 
     # --- choice ------------------------------------------------------------------------------
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
         accept = self._gains()
         plain_rows, plain_tokens = self._plan(asks, 0, accept)
-        plain_rate = self._rate(plain_rows, plain_tokens)
+        plain_rate = self._rate(asks, plain_rows, plain_tokens)
         if self._plain_seen < 2 or not any(a.arms for a in asks):
             return BatchChoice(0, plain_rows)
         best = None
         for big_k in range(1, self.max_draft + 1):
             rows, tokens = self._plan(asks, big_k, accept)
-            rate = self._rate(rows, tokens)
+            rate = self._rate(asks, rows, tokens)
             if best is None or rate > best[0]:
                 best = (rate, big_k, rows)
         needed = self.margin / 2 if self._speculating else self.margin
@@ -230,18 +256,22 @@ class BatchDraftPolicy:
             if self._steps % self.explore_every == 0:  # a neighbouring K keeps the fit honest
                 up = self._steps // self.explore_every % 2
                 big_k = max(1, min(self.max_draft, best[1] + (1 if up else -1)))
-                return BatchChoice(big_k, self._plan(asks, big_k, accept)[0])
-            return BatchChoice(best[1], best[2])
+                return self._choice(asks, big_k, self._plan(asks, big_k, accept)[0])
+            return self._choice(asks, best[1], best[2])
         self._speculating = False
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
             self._probe_every = self._next_probe(best[0], plain_rate)
-            return BatchChoice(best[1], best[2], probe=True)
+            return self._choice(asks, best[1], best[2], probe=True)
         return BatchChoice(0, plain_rows)
+
+    def _choice(self, asks, big_k: int, rows, probe: bool = False) -> BatchChoice:
+        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows))
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
-        return BatchChoice(choice.num_draft, self._plan(asks, choice.num_draft, self._gains())[0])
+        rows = self._plan(asks, choice.num_draft, self._gains())[0]
+        return self._choice(asks, choice.num_draft, rows, choice.probe)
 
     def _next_probe(self, rate: float, plain_rate: float) -> int:
         """Steps before the next probe: twice the last interval, at least enough that a
@@ -252,14 +282,16 @@ class BatchDraftPolicy:
 
     # --- observations ------------------------------------------------------------------------
 
-    def observe(self, rows: list[tuple[int | None, int]], outcomes, seconds: float) -> None:
+    def observe(
+        self, rows: list[tuple[int | None, int]], outcomes, seconds: float, catch_up: int = 0
+    ) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
-        accepted); it took `seconds`."""
+        accepted); it took `seconds`, `catch_up` tokens of it catching up (`BatchChoice`)."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
         if not any(k for _, k in rows):
             self._since_spec += 1
             self._plain_seen += 1
-        self.costs.observe(*self.shape(drafted), seconds)
+        self.costs.observe(*self.shape(drafted), seconds, catch_up)
         for (arm, asked), (_, accepted) in zip(rows, outcomes, strict=True):
             if arm is None or asked <= 0:
                 continue

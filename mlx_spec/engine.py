@@ -396,8 +396,9 @@ class BatchEngine:
             limit = min(limit, self.context - len(row.tokens) - 1)
         fixed = request.num_draft if isinstance(request.num_draft, int) else None
         limit = max(0, min(limit, self.max_draft if fixed is None else fixed))
-        available = [self.drafters[self.names[a]].available(row.id, limit) for a in row.arms]
-        return RowAsk(row.arms, fixed, limit, available)
+        drafters = [self.drafters[self.names[a]] for a in row.arms]
+        available = [d.available(row.id, limit) for d in drafters]
+        return RowAsk(row.arms, fixed, limit, available, [d.backlog(row.id) for d in drafters])
 
     def _decode(self) -> None:
         rows = list(self.active)
@@ -515,7 +516,7 @@ class BatchEngine:
             targets[i] += keep - (1 + counts[i])  # the pass fed last + drafts; keep `keep`
             outcomes.append((counts[i], min(n, keep - 1)))
         self.cache.truncate(targets)
-        self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic)
+        self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic, choice.catch_up)
         self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
 
     def _draft(self, rows: list[_Row], plan):

@@ -443,3 +443,29 @@ def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
     assert not batchable(loaded["qwen3_5"][0])
+
+
+def test_batch_costs_keep_catch_up_apart():
+    """Steps whose drafters first catch up on what piled up over plain steps: the fit puts
+    that cost on the catch-up tokens, not on the fixed part every speculative step pays."""
+    from mlx_spec.batch_policy import _Costs
+
+    costs, rng = _Costs(), random.Random(0)
+    for _ in range(20):
+        costs.observe(8, 0, (), 4e-3)
+    for _ in range(200):
+        big_k, rows = rng.randint(1, 6), rng.choice([4, 8])
+        catch_up = rng.choice([0, 0, 0, rows * rng.randint(1, 40)])
+        seconds = 4e-3 + 0.5e-3 + big_k * (0.3e-3 + 0.1e-3 * rows) + 0.05e-3 * catch_up
+        costs.observe(rows, big_k, (0,), seconds, catch_up)
+    c0, c1, c2, c3 = costs.weights((0,))
+    # c0 stays near its 0.5 ms (the prior pulls it a little), not the ~1.5 ms mean catch-up
+    assert 0.25e-3 < c0 < 0.7e-3 and abs(c3 - 0.05e-3) < 0.01e-3
+    assert costs.seconds(8, 2, (0,)) < costs.seconds(8, 2, (0,), catch_up=100)
+
+
+def test_catch_up_counts_what_a_step_feeds_beyond_its_own():
+    """W: per drafter, its drafting rows times how far the longest backlog exceeds K."""
+    asks = [RowAsk([0], None, 8, [None], [b]) for b in (0, 2, 30)] + [RowAsk([], None, 8, [])]
+    assert BatchDraftPolicy.catch_up(asks, [(0, 3), (0, 3), (0, 3), (None, 0)]) == 3 * 27
+    assert BatchDraftPolicy.catch_up(asks, [(0, 3), (0, 3), (None, 0), (None, 0)]) == 0
