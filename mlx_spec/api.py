@@ -14,7 +14,7 @@ from pathlib import Path
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import mtp as mtp_drafter
-from mlx_spec.drafters.base import Drafter, unique_id
+from mlx_spec.drafters.base import Drafter, hidden_wanted, unique_id
 from mlx_spec.drafters.branching import BranchingDraftModel, BranchingMTP
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
@@ -362,7 +362,7 @@ def stream_generate(
         model,
         vocab,
         rollback=drafter is not None,
-        keep_hidden=drafter is not None and drafter.needs_hidden,
+        keep_hidden=hidden_wanted(drafter),
     )
     check_fits(ids, target)
     if seed is not None:
@@ -386,7 +386,7 @@ def _tree_stream(
         policy = num_draft
     else:
         policy = FixedDraftLength(min(int(num_draft), drafter.max_depth))
-    target = TreeTarget(model, vocab, keep_hidden=drafter.needs_hidden)
+    target = TreeTarget(model, vocab, keep_hidden=hidden_wanted(drafter))
     check_fits(ids, target)
     if seed is not None:
         mx.random.seed(seed)

@@ -63,3 +63,79 @@ def tap_hidden(model: nn.Module) -> HiddenTap:
         object.__setattr__(head, "_mlx_spec_tap", tap)
         head.__class__ = _recording_subclass(type(head), method)
     return tap
+
+
+# --- several layers: the features EAGLE-3 and DFlash read -------------------------------------
+
+
+class LayerFeatures:
+    """The features of several target layers from the last pass, concatenated in the order
+    asked: `hidden` is `[B, S, len(ids) * T]`. An id follows Hugging Face's `hidden_states`
+    numbering: `i` < L is the input of decoder layer i (0: the embeddings), `L` the final
+    hidden state (after the final norm, the head's input)."""
+
+    def __init__(self, slots: dict[int, mx.array], ids: tuple[int, ...], final: HiddenTap | None):
+        self._slots, self.ids, self._final = slots, ids, final
+
+    def _feature(self, i: int) -> mx.array:
+        return self._final.hidden if i not in self._slots and self._final else self._slots[i]
+
+    @property
+    def hidden(self) -> mx.array:
+        return mx.concatenate([self._feature(i) for i in self.ids], axis=-1)
+
+
+def _layer_recording_subclass(cls: type) -> type:
+    key = (cls, "__layer__")
+    if key not in _SUBCLASSES:
+        original = cls.__call__
+
+        def recording(self, x, *args, **kwargs):
+            slots, index, wanted = self._mlx_spec_layer_tap
+            if index in wanted:
+                slots[index] = x
+            return original(self, x, *args, **kwargs)
+
+        _SUBCLASSES[key] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": recording})
+    return _SUBCLASSES[key]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of an mlx-lm model (`model.layers` on every architecture)."""
+    return list(model.layers)
+
+
+def tap_layers(model: nn.Module, ids) -> LayerFeatures:
+    """Make the decoder layers named by `ids` (Hugging Face `hidden_states` indices, see
+    `LayerFeatures`) record their features on every pass; returns the view of them.
+
+    Raises:
+        ValueError: an id outside 0 .. L for a model of L layers.
+    """
+    layers = decoder_layers(model)
+    ids = tuple(int(i) for i in ids)
+    bad = [i for i in ids if not 0 <= i <= len(layers)]
+    if bad or not ids:
+        raise ValueError(
+            f"hidden-state layer ids {list(ids)} do not fit a target of {len(layers)} layers "
+            f"(0 .. {len(layers)})"
+        )
+    first = layers[0].__dict__.get("_mlx_spec_layer_tap")
+    slots, wanted = (first[0], first[2]) if first is not None else ({}, set())
+    wanted.update(ids)
+    for index, layer in enumerate(layers):
+        if "_mlx_spec_layer_tap" not in layer.__dict__:
+            object.__setattr__(layer, "_mlx_spec_layer_tap", (slots, index, wanted))
+            layer.__class__ = _layer_recording_subclass(type(layer))
+    final = tap_hidden(model) if len(layers) in ids else None
+    return LayerFeatures(slots, ids, final)
+
+
+def tap_for(model: nn.Module, keep: bool | tuple) -> HiddenTap | LayerFeatures | None:
+    """The tap a runner keeps: None (False), the final hidden states (True), or the
+    features of the layers a tuple of ids names."""
+    if keep is True:
+        return tap_hidden(model)
+    if keep:
+        return tap_layers(model, keep)
+    return None

@@ -13,7 +13,7 @@ from mlx_spec.cache import (
     cut_cache,
     needs_snapshot,
 )
-from mlx_spec.hidden import tap_hidden
+from mlx_spec.hidden import tap_for
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,18 +44,24 @@ class ModelRunner:
         rollback: make the cache rollback-ready (refuses cache types that cannot roll back);
             plain decoding needs no rollback.
         keep_hidden: record the final hidden states (the head's input) of every pass, for
-            drafters that condition on them.
+            drafters that condition on them; a tuple of layer ids: those layers' features,
+            concatenated (see `hidden.LayerFeatures`).
     """
 
     def __init__(
-        self, model: nn.Module, vocab_size: int, *, rollback: bool = True, keep_hidden: bool = False
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        *,
+        rollback: bool = True,
+        keep_hidden: bool | tuple[int, ...] = False,
     ):
         self.model = model
         self.vocab_size = vocab_size
         self.context_limit = context_limit(model)
         self.cache = make_prompt_cache(model)
         self._rollback = CacheRollback(self.cache) if rollback else None
-        self._tap = tap_hidden(model) if keep_hidden else None
+        self._tap = tap_for(model, keep_hidden)
         self.length = 0  # tokens in the cache
         self._fed: list[tuple[mx.array, mx.array | None]] = []
         self.replays = 0

@@ -29,7 +29,7 @@ from mlx_spec.api import (
     wrap_tokenizer,
 )
 from mlx_spec.compat import scored_vocab
-from mlx_spec.drafters.base import Drafter
+from mlx_spec.drafters.base import Drafter, hidden_wanted
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -104,7 +104,7 @@ class Session:
             self.model,
             self.vocab_size,
             rollback=self.drafter is not None,
-            keep_hidden=self.drafter is not None and self.drafter.needs_hidden,
+            keep_hidden=hidden_wanted(self.drafter),
         )
         if self.drafter is not None:
             self.drafter.bind_target(self.target)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from mlx_spec.batch_cache import EMPTY, BatchCache, batchable
 from mlx_spec.decode import Round
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.hidden import tap_hidden
+from mlx_spec.hidden import tap_for
 from mlx_spec.models.mtp import target_hidden_size
 from mlx_spec.policy import DraftPolicy
 from mlx_spec.runner import context_limit
@@ -270,7 +270,7 @@ class TreeTarget:
         keep_hidden: record the final hidden states of every pass (for drafters reading them).
     """
 
-    def __init__(self, model: nn.Module, vocab_size: int, *, keep_hidden: bool = False):
+    def __init__(self, model: nn.Module, vocab_size: int, *, keep_hidden: bool | tuple = False):
         reason = tree_unsupported(model)
         if reason is not None:
             raise ValueError(reason)
@@ -278,7 +278,7 @@ class TreeTarget:
         self.model, self.vocab_size = model, vocab_size
         self.context_limit = context_limit(model)
         self.cache = BatchCache(model, 1)
-        self._tap = tap_hidden(model) if keep_hidden else None
+        self._tap = tap_for(model, keep_hidden)
         self._pending = False  # a scored graph waits for `settle`
 
     @property

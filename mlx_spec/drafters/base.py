@@ -50,6 +50,9 @@ class Drafter(ABC):
     name: str = "drafter"
     # True: `begin` and `accept` receive the target's final hidden states (the head's input).
     needs_hidden: bool = False
+    # With `needs_hidden`: the target layers whose features it reads instead, concatenated
+    # (Hugging Face `hidden_states` indices; see `hidden.LayerFeatures`). None: final states.
+    hidden_layers: tuple[int, ...] | None = None
 
     @property
     def identity(self) -> Hashable:
@@ -137,3 +140,10 @@ class Drafter(ABC):
         (accepted drafts + the recovered or bonus token) was appended to the sequence.
         `hidden` (if `needs_hidden`): the target's `[len(emitted), T]` hidden states at the
         positions whose next token is each emitted token."""
+
+
+def hidden_wanted(drafter) -> bool | tuple[int, ...]:
+    """What a target runner must record for `drafter` (`ModelRunner(keep_hidden=...)`)."""
+    if drafter is None or not drafter.needs_hidden:
+        return False
+    return getattr(drafter, "hidden_layers", None) or True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.base import Draft, Drafter, hidden_wanted
 from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
@@ -32,6 +32,13 @@ class DrafterGroup(Drafter):
         self.drafters = list(drafters)
         self.name = "+".join(names)
         self.needs_hidden = any(d.needs_hidden for d in drafters)
+        wanted = {hidden_wanted(d) for d in drafters} - {False}
+        if len(wanted) > 1:
+            raise ValueError(
+                "these drafters read different target features (final hidden states, layer "
+                f"ids {sorted(w for w in wanted if w is not True)}): they cannot share a group"
+            )
+        self.hidden_layers = None if not wanted or True in wanted else wanted.pop()
         self._active = 0
 
     @property

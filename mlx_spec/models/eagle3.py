@@ -1,0 +1,347 @@
+"""EAGLE-3 heads (Li et al. 2025), run on features of several target layers.
+
+What one step computes (T: the target's hidden size, d: the head's, ids: the target layers it
+reads, Hugging Face `hidden_states` numbering: id i is the input of decoder layer i):
+
+    g_p = fc(concat(hs[id_0]_p, hs[id_1]_p, ...))              # [len(ids) T] -> [d]
+    x   = concat(input_layernorm(e(t_{p+1})), hidden_norm(g_p))  # [2d]: q/k/v read 2d
+    y   = r + attn(x)  with r = g_p (or hidden_norm(g_p) with `norm_before_residual`)
+    y   = y + mlp(post_attention_layernorm(y))
+    logits over the draft vocabulary = lm_head(norm(y)); draft id j is target id j + d2t[j]
+
+The pair (g_p, t_{p+1}) predicts t_{p+2}, as an MTP head's pair does; a drafting step past the
+first feeds back y (the layer's output before `norm`) in place of g. The embedding is the
+target's unless the checkpoint ships its own.
+
+Two published layouts: the EAGLE repository's (`midlayer.*`, config `LlamaForCausalLMEagle3`
+with `draft_vocab_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`) and the
+`speculators` format (`speculators_model_type: eagle3`, `layers.0.*`, the layer settings in
+`transformer_layer_config`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlx_spec.hidden import decoder_layers, find_embedding
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int  # d
+    target_hidden_size: int  # T
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    attention_bias: bool
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    layer_ids: tuple[int, ...]
+    norm_before_residual: bool = False
+    layout: str = "eagle3"  # or "speculators"
+
+    def to_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out["layer_ids"] = list(self.layer_ids)
+        return out
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default: the inputs of layers 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def read_eagle3_config(config: dict, num_target_layers: int | None = None) -> Eagle3Config:
+    """An `Eagle3Config` from either layout's config.json (or a converted one).
+
+    Raises:
+        ValueError: not an EAGLE-3 config, or one that leaves a setting undecidable.
+    """
+    if config.get("model_type") == "eagle3" and "layer_ids" in config:  # converted
+        fields = {k: v for k, v in config.items() if k in Eagle3Config.__dataclass_fields__}
+        return Eagle3Config(**{**fields, "layer_ids": tuple(fields["layer_ids"])})
+    if config.get("speculators_model_type") == "eagle3":
+        layer = dict(config.get("transformer_layer_config") or {})
+        layout = "speculators"
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        draft_vocab = config.get("draft_vocab_size", layer.get("vocab_size"))
+        target_hidden = config.get("target_hidden_size") or layer.get("hidden_size")
+        before_residual = bool(config.get("norm_before_residual", False))
+    elif "draft_vocab_size" in config or "Eagle3" in " ".join(config.get("architectures") or []):
+        layer, layout = config, "eagle3"
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        draft_vocab = config.get("draft_vocab_size", config.get("vocab_size"))
+        target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+        before_residual = bool(config.get("norm_before_residual", False))
+    else:
+        raise ValueError("not an EAGLE-3 config (no draft_vocab_size / speculators eagle3 type)")
+    if ids is None:
+        if num_target_layers is None:
+            raise ValueError("the EAGLE-3 config names no target layers and no target is given")
+        ids = default_layer_ids(num_target_layers)
+    heads = layer["num_attention_heads"]
+    return Eagle3Config(
+        hidden_size=layer["hidden_size"],
+        target_hidden_size=target_hidden,
+        intermediate_size=layer["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=layer.get("rope_theta", 10000.0),
+        rope_scaling=layer.get("rope_scaling"),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        attention_bias=bool(layer.get("attention_bias", False)),
+        vocab_size=layer["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        layer_ids=tuple(sorted(int(i) for i in ids)),
+        norm_before_residual=before_residual,
+        layout=layout,
+    )
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        d, heads, kv, hd = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.heads, self.kv_heads, self.scale = heads, kv, hd**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(2 * d, heads * hd, bias=bias)
+        self.k_proj = nn.Linear(2 * d, kv * hd, bias=bias)
+        self.v_proj = nn.Linear(2 * d, kv * hd, bias=bias)
+        self.o_proj = nn.Linear(heads * hd, d, bias=False)
+        self.rope = initialize_rope(
+            hd, cfg.rope_theta, False, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+
+    def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, s, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, s, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, inner, bias=False)
+        self.up_proj = nn.Linear(d, inner, bias=False)
+        self.down_proj = nn.Linear(inner, d, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The decoder layer over (embedding, g) pairs."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = _Attention(cfg)
+        self.mlp = _MLP(d, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(d, eps)
+        self.hidden_norm = nn.RMSNorm(d, eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def __call__(self, e: mx.array, g: mx.array, mask, cache) -> mx.array:
+        h = self.hidden_norm(g)
+        residual = h if self.norm_before_residual else g
+        x = mx.concatenate([self.input_layernorm(e), h], axis=-1)
+        y = residual + self.self_attn(x, mask, cache)
+        return y + self.mlp(self.post_attention_layernorm(y))
+
+
+class Eagle3Head(nn.Module):
+    """`head(tokens [1, S], cache=..., hidden=[1, S, len(ids) T] or [1, S, d]) -> logits
+    [1, S, target vocab]` (-inf outside the draft vocabulary). `hidden` of the features'
+    width goes through `fc`; of the head's own width (a fed-back output) it is g as is.
+
+    Args:
+        cfg: the head's settings.
+        target: the target model (its embedding, unless `own_embedding`).
+        own_embedding: the checkpoint ships `embed_tokens.weight`.
+        d2t: `[draft vocab]` offsets to target ids (None: the vocabularies are the same).
+    """
+
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        target: nn.Module,
+        *,
+        own_embedding: bool = False,
+        d2t: mx.array | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        features = len(cfg.layer_ids) * cfg.target_hidden_size
+        if features == cfg.hidden_size:
+            raise ValueError(
+                f"EAGLE-3 features ({features}) as wide as the head ({cfg.hidden_size}): a "
+                "fed-back state could not be told from target features"
+            )
+        self.fc = nn.Linear(features, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            object.__setattr__(self, "_embed", find_embedding(target))
+        self.args = target.args  # the context limit, as the target's
+        ids = None
+        if d2t is not None:
+            ids = mx.arange(cfg.draft_vocab_size, dtype=mx.int32) + d2t.astype(mx.int32)
+        elif cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"the draft vocabulary ({cfg.draft_vocab_size}) differs from the target's "
+                f"({cfg.vocab_size}) and there is no d2t map"
+            )
+        object.__setattr__(self, "target_ids", ids)  # kept out of the parameter tree
+        object.__setattr__(self, "feedback", None)
+
+    @property
+    def features(self) -> int:
+        return self.fc.weight.shape[1]
+
+    def make_cache(self) -> list:
+        return [KVCache()]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        own = "embed_tokens" in self
+        return self.embed_tokens(tokens) if own else self._embed(tokens)
+
+    def __call__(self, tokens: mx.array, cache: list, hidden: mx.array) -> mx.array:
+        e = self.embed(tokens)
+        g = hidden.astype(e.dtype)
+        if g.shape[-1] == self.features:
+            g = self.fc(g)
+        mask = create_attention_mask(g, cache[0], return_array=True)
+        y = self.midlayer(e, g, mask, cache[0])
+        object.__setattr__(self, "feedback", y)
+        logits = self.lm_head(self.norm(y))
+        if self.target_ids is None:
+            return logits
+        full = mx.full((*logits.shape[:-1], self.cfg.vocab_size), -mx.inf, logits.dtype)
+        full[..., self.target_ids] = logits
+        return full
+
+
+def eagle3_weights(weights: dict[str, mx.array], layout: str) -> dict[str, mx.array]:
+    """The checkpoint's tensors under `Eagle3Head`'s names (d2t, t2d left out)."""
+    out = {}
+    for name, value in weights.items():
+        if name in ("d2t", "t2d"):
+            continue
+        if layout == "speculators" and name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0.") :]
+        elif layout == "speculators" and name.startswith("layers."):
+            raise ValueError(
+                f"tensor {name}: EAGLE-3 heads of more than one layer are not supported"
+            )
+        out[name] = value
+    return out
+
+
+def read_eagle3(path: Path) -> tuple[dict, dict[str, mx.array]]:
+    """(config.json, every tensor) of an EAGLE-3 directory (safetensors; sharded or not)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{path}: no EAGLE-3 head here (no config.json)") from exc
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (pickled weights are refused)")
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        weights.update(mx.load(str(file)))
+    return config, weights
+
+
+def build_eagle3(path: Path, target: nn.Module) -> Eagle3Head:
+    """The EAGLE-3 head stored at `path` (either published layout, or converted), bound to
+    `target`, its shapes checked against the target's.
+
+    Raises:
+        ValueError: the head does not fit the target (layer ids, hidden size, vocabulary) or
+            its tensors do not fit its config; the message names the culprit.
+    """
+    config, weights = read_eagle3(path)
+    layers = len(decoder_layers(target))
+    cfg = read_eagle3_config(config, layers)
+    bad = [i for i in cfg.layer_ids if not 0 <= i <= layers]
+    if bad:
+        raise ValueError(
+            f"{path}: the EAGLE-3 head reads target layers {list(cfg.layer_ids)}; the target "
+            f"has {layers} (ids 0 .. {layers})"
+        )
+    embed = find_embedding(target)
+    target_hidden = embed.weight.shape[1] if hasattr(embed, "weight") else None
+    if (
+        target_hidden is not None
+        and "scales" not in embed
+        and target_hidden != (cfg.target_hidden_size)
+    ):
+        raise ValueError(
+            f"{path}: the EAGLE-3 head reads {cfg.target_hidden_size}-wide target features; "
+            f"the target's hidden size is {target_hidden}"
+        )
+    d2t = weights.get("d2t")
+    if cfg.draft_vocab_size != cfg.vocab_size and d2t is None:
+        raise ValueError(f"{path}: tensor d2t is missing (draft vocabulary {cfg.draft_vocab_size})")
+    if d2t is not None and d2t.shape != (cfg.draft_vocab_size,):
+        raise ValueError(
+            f"{path}: tensor d2t has shape {tuple(d2t.shape)}, expected ({cfg.draft_vocab_size},)"
+        )
+    head = Eagle3Head(cfg, target, own_embedding="embed_tokens.weight" in weights, d2t=d2t)
+    if head.target_ids is not None:
+        top = int(head.target_ids.max().item())
+        if top >= cfg.vocab_size or int(head.target_ids.min().item()) < 0:
+            raise ValueError(f"{path}: tensor d2t maps draft ids outside the target vocabulary")
+    tensors = eagle3_weights(weights, cfg.layout)
+    expected = dict(_flat_shapes(head))
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name} is missing")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}"
+            )
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise ValueError(f"{path}: unexpected tensors {extra[:4]}")
+    head.load_weights(list(tensors.items()), strict=True)
+    if mx.default_device() == mx.cpu:
+        head.set_dtype(mx.float32)
+    mx.eval(head.parameters())
+    return head
+
+
+def _flat_shapes(module: nn.Module):
+    from mlx.utils import tree_flatten
+
+    for name, value in tree_flatten(module.parameters()):
+        yield name, tuple(value.shape)

@@ -1,0 +1,297 @@
+"""EAGLE-3 heads on a tiny random Llama target: the layer taps follow Hugging Face's
+`hidden_states` numbering, the head computes the published formula (computed by hand in torch
+here: the EAGLE repository's training module needs a GPU-sized target and speculators ships no
+inference path), decoding stays lossless with a reduced draft vocabulary, and bad heads are
+refused with the culprit named."""
+
+from __future__ import annotations
+
+import json
+
+import mlx_spec
+from convert import convert_checkpoint
+from mlx_spec.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
+from mlx_spec.hidden import tap_layers
+from mlx_spec.runner import ModelRunner
+from mlx_spec.sampling import SamplingConfig
+
+import hfmodels as hfm
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from chisquare import chisquare_pvalue, exact_sequences, reference_probs
+from conftest import with_eos
+from safetensors.torch import save_file
+
+LAYERS = 4  # target decoder layers
+IDS = [0, 2, 3]  # the inputs of layers 0, 2 and 3 (Hugging Face hidden_states indices)
+T = hfm.CONFIGS["llama"]["hidden_size"]
+PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]
+HEAD = dict(hidden_size=T, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+
+
+def draft_vocab(seed: int = 0) -> np.ndarray:
+    """Target ids of the draft vocabulary: half the target's, sorted, the specials included."""
+    rng = np.random.default_rng(seed)
+    rest = rng.choice(np.arange(3, hfm.VOCAB), size=hfm.VOCAB // 2 - 3, replace=False)
+    return np.sort(np.concatenate([np.arange(3), rest]))
+
+
+def head_tensors(seed: int, vocab_ids: np.ndarray, prefix: str = "midlayer") -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=gen) * cols**-0.5
+
+    def vec(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=gen)
+
+    d, inner, heads, kv = T, HEAD["intermediate_size"], 4, 2
+    hd = d // heads
+    out = {
+        "fc.weight": mat(d, len(IDS) * T),
+        f"{prefix}.self_attn.q_proj.weight": mat(heads * hd, 2 * d),
+        f"{prefix}.self_attn.k_proj.weight": mat(kv * hd, 2 * d),
+        f"{prefix}.self_attn.v_proj.weight": mat(kv * hd, 2 * d),
+        f"{prefix}.self_attn.o_proj.weight": mat(d, heads * hd),
+        f"{prefix}.mlp.gate_proj.weight": mat(inner, d),
+        f"{prefix}.mlp.up_proj.weight": mat(inner, d),
+        f"{prefix}.mlp.down_proj.weight": mat(d, inner),
+        f"{prefix}.input_layernorm.weight": vec(d),
+        f"{prefix}.hidden_norm.weight": vec(d),
+        f"{prefix}.post_attention_layernorm.weight": vec(d),
+        "norm.weight": vec(d),
+        "lm_head.weight": mat(len(vocab_ids), d),
+        "d2t": torch.tensor(vocab_ids - np.arange(len(vocab_ids)), dtype=torch.int64),
+    }
+    t2d = torch.zeros(hfm.VOCAB, dtype=torch.bool)
+    t2d[torch.tensor(vocab_ids)] = True
+    out["t2d"] = t2d
+    return out
+
+
+def write_eagle3(path, layout: str = "eagle3", seed: int = 7, **config_changes):
+    """A random EAGLE-3 head for the tiny target, in the EAGLE repository's layout or the
+    speculators format."""
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_ids = draft_vocab(seed)
+    layer = {
+        "model_type": "llama",
+        **HEAD,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "vocab_size": hfm.VOCAB,
+    }
+    if layout == "eagle3":
+        config = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            **layer,
+            "draft_vocab_size": len(vocab_ids),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": IDS},
+        }
+        tensors = head_tensors(seed, vocab_ids)
+    else:
+        config = {
+            "speculators_model_type": "eagle3",
+            "architectures": ["Eagle3Speculator"],
+            "transformer_layer_config": layer,
+            "draft_vocab_size": len(vocab_ids),
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": IDS,
+        }
+        tensors = head_tensors(seed, vocab_ids, prefix="layers.0")
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path, tensors
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(MLX model, tokenizer, torch model) of a 4-layer Llama."""
+    root = tmp_path_factory.mktemp("eagle3")
+    source, torch_model = hfm.write_hf_checkpoint(
+        root / "llama", "llama", seed=1, num_hidden_layers=LAYERS
+    )
+    out = convert_checkpoint(str(source), str(root / "llama-mlx"), dtype="float32").path
+    model, tok = mlx_spec.load(str(out))
+    return model, with_eos(tok), torch_model, root
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    root = target[3]
+    return {layout: write_eagle3(root / f"head-{layout}", layout) for layout in LAYOUTS}
+
+
+LAYOUTS = ["eagle3", "speculators"]
+
+
+def test_layer_taps_follow_hf_hidden_states(target):
+    """Id i is Hugging Face's hidden_states[i]: the input of layer i, and id L the final
+    hidden state after the norm. An off-by-one never crashes; this pins it."""
+    model, _, torch_model, _ = target
+    ids = [0, 1, 3, LAYERS]
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=tuple(ids))
+    got = np.array(runner.prefill(PROMPT))
+    with torch.no_grad():
+        hs = torch_model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True)
+    want = torch.cat([hs.hidden_states[i][0] for i in ids], dim=-1).numpy()
+    assert got.shape == (len(PROMPT), len(ids) * T)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="do not fit a target of 4 layers"):
+        tap_layers(model, [LAYERS + 1])
+
+
+def _rms(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, positions, base=10000.0):
+    """Hugging Face Llama's rotary embedding (rotate_half), x `[S, heads, hd]`."""
+    hd = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, hd, 2).float() / hd)
+    angles = positions[:, None].float() * inv[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+def formula_logits(torch_model, tensors: dict, prefix: str, ids: list[int]) -> np.ndarray:
+    """The head's logits over the target vocabulary for every pair (g_p, t_{p+1}) of PROMPT,
+    computed by hand: features of the target's hidden_states, fc, the decoder layer over
+    [input_layernorm(e), hidden_norm(g)] with residual g, norm, lm_head, d2t."""
+    w = {k: v.float() for k, v in tensors.items()}
+    p = f"{prefix}."
+    with torch.no_grad():
+        hs = torch_model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True)
+        feats = torch.cat([hs.hidden_states[i][0] for i in IDS], dim=-1)[:-1]  # pairs p
+        e = torch_model.model.embed_tokens(torch.tensor(PROMPT[1:]))
+        g = feats @ w["fc.weight"].T
+        h = _rms(g, w[p + "hidden_norm.weight"])
+        x = torch.cat([_rms(e, w[p + "input_layernorm.weight"]), h], dim=-1)
+        s, heads, kv = x.shape[0], 4, 2
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(s, heads, -1)
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).reshape(s, kv, -1)
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(s, kv, -1)
+        pos = torch.arange(s)
+        q, k = _rope(q, pos), _rope(k, pos)
+        k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), -1e30)
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, -1)
+        y = g + attn @ w[p + "self_attn.o_proj.weight"].T
+        z = _rms(y, w[p + "post_attention_layernorm.weight"])
+        mlp = (torch.nn.functional.silu(z @ w[p + "mlp.gate_proj.weight"].T)) * (
+            z @ w[p + "mlp.up_proj.weight"].T
+        )
+        y = y + mlp @ w[p + "mlp.down_proj.weight"].T
+        draft = _rms(y, w["norm.weight"]) @ w["lm_head.weight"].T
+        full = torch.full((s, hfm.VOCAB), float("-inf"))
+        target_ids = torch.arange(draft.shape[1]) + tensors["d2t"]
+        full[:, target_ids] = draft
+    return full.numpy()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eagle3_logits_follow_the_formula(target, heads, layout):
+    """Both published layouts load to the same function: the formula computed by hand in
+    torch from transformers' hidden states, within 1e-4 (the draft vocabulary mapped by d2t,
+    -inf elsewhere)."""
+    model, _, torch_model, _ = target
+    path, tensors = heads[layout]
+    drafter = load_eagle3_drafter(path, model)
+    prefix = "midlayer" if layout == "eagle3" else "layers.0"
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=drafter.hidden_layers)
+    feats = runner.prefill(PROMPT)[:-1]
+    head = drafter.module
+    got = np.array(head(mx.array([PROMPT[1:]]), cache=head.make_cache(), hidden=feats[None])[0])
+    want = formula_logits(torch_model, tensors, prefix, IDS)
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all()
+    np.testing.assert_allclose(got[finite], want[finite], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_eagle3_equals_plain(target, heads, k):
+    model, tok, _, _ = target
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=30).tokens
+    drafter = load_eagle3_drafter(heads["eagle3"][0], model)
+    result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=k, max_tokens=30)
+    assert result.tokens == plain
+    assert result.stats.drafter == "eagle3" and result.stats.drafted > 0
+
+
+def fresh_draft(drafter: Eagle3Drafter, model, sequence, k):
+    """A brand-new drafter's drafts on `sequence` (what the running one must draft)."""
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=drafter.hidden_layers)
+    fresh = Eagle3Drafter(drafter.module, model)
+    fresh.begin(sequence, hfm.VOCAB, runner.prefill(sequence[:-1]))
+    return fresh.draft(k, SamplingConfig()).tokens.tolist()
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3])
+def test_eagle3_state_after_forced_outcomes(target, heads, accepted):
+    """Rounds forced to keep 0, 1 or all 3 drafts: each next draft equals a fresh drafter's on
+    the same sequence (its cache rolls back with the target's)."""
+    model = target[0]
+    drafter = load_eagle3_drafter(heads["speculators"][0], model)
+    sequence = list(PROMPT)
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=drafter.hidden_layers)
+    drafter.begin(sequence, hfm.VOCAB, runner.prefill(sequence[:-1]))
+    for _ in range(4):
+        drafts = drafter.draft(3, SamplingConfig()).tokens.tolist()
+        assert drafts == fresh_draft(drafter, model, sequence, 3)
+        emitted = drafts[:accepted] + [(drafts[accepted] + 1) % hfm.VOCAB if accepted < 3 else 5]
+        runner(mx.array([sequence[-1]] + emitted[:-1], mx.uint32))  # the verify pass
+        drafter.accept(accepted, emitted, runner.last_hidden)
+        sequence += emitted
+
+
+DIST = SamplingConfig(temperature=1.0, top_k=3)
+
+
+def test_distribution_with_a_reduced_draft_vocabulary(target, heads):
+    """Temperature 1, top-k 3: the first three tokens with the EAGLE-3 head (k = 2), whose q is
+    zero outside its half of the vocabulary, follow the target's exact distribution."""
+    model, tok, _, _ = target
+    drafter = load_eagle3_drafter(heads["eagle3"][0], model)
+    samples = [
+        tuple(
+            mlx_spec.generate(
+                model, tok, PROMPT, drafter=drafter, num_draft=2, max_tokens=3,
+                temperature=1.0, top_k=3, seed=s,
+            ).tokens
+        )
+        for s in range(1500)
+    ]  # fmt: skip
+
+    def next_probs(ids):
+        return reference_probs(np.array(model(mx.array([ids]))[0, -1, : hfm.VOCAB]), DIST)
+
+    assert chisquare_pvalue(samples, exact_sequences(next_probs, PROMPT, 3)) > 1e-3
+
+
+def test_eagle3_bad_heads(target, tmp_path):
+    model = target[0]
+    path, _ = write_eagle3(tmp_path / "far", eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 9]})
+    with pytest.raises(ValueError, match=r"reads target layers \[2, 9\]; the target has 4"):
+        load_eagle3_drafter(path, model)
+    path, tensors = write_eagle3(tmp_path / "wide", target_hidden_size=2 * T)
+    with pytest.raises(ValueError, match=f"{2 * T}-wide target features.*hidden size is {T}"):
+        load_eagle3_drafter(path, model)
+    path, tensors = write_eagle3(tmp_path / "nomap")
+    tensors.pop("d2t")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tensor d2t is missing"):
+        load_eagle3_drafter(path, model)
+    path, tensors = write_eagle3(tmp_path / "shape")
+    tensors["midlayer.self_attn.q_proj.weight"] = tensors["midlayer.self_attn.q_proj.weight"][:, :T]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor midlayer.self_attn.q_proj.weight has shape"):
+        load_eagle3_drafter(path, model)
+    with pytest.raises(FileNotFoundError, match="no EAGLE-3 head here"):
+        load_eagle3_drafter(tmp_path / "nothing", model)
