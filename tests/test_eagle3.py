@@ -155,7 +155,8 @@ def _rope(x, positions, base=10000.0):
     hd = x.shape[-1]
     inv = 1.0 / base ** (torch.arange(0, hd, 2).float() / hd)
     angles = positions[:, None].float() * inv[None]
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    cos = torch.cat([angles.cos()] * 2, -1)[:, None]
+    sin = torch.cat([angles.sin()] * 2, -1)[:, None]
     half = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], dim=-1)
     return x * cos + half * sin
 
@@ -277,7 +278,8 @@ def test_distribution_with_a_reduced_draft_vocabulary(target, heads):
 
 def test_eagle3_bad_heads(target, tmp_path):
     model = target[0]
-    path, _ = write_eagle3(tmp_path / "far", eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 9]})
+    far = {"eagle_aux_hidden_state_layer_ids": [2, 9]}
+    path, _ = write_eagle3(tmp_path / "far", eagle_config=far)
     with pytest.raises(ValueError, match=r"reads target layers \[2, 9\]; the target has 4"):
         load_eagle3_drafter(path, model)
     path, tensors = write_eagle3(tmp_path / "wide", target_hidden_size=2 * T)
