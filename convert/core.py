@@ -29,6 +29,13 @@ from mlx_spec.drafters.medusa import (
     save_medusa_heads,
 )
 from mlx_spec.drafters.mtp import save_mtp_drafter
+from mlx_spec.models.eagle3 import (
+    eagle3_weights,
+    is_eagle3_config,
+    read_eagle3,
+    read_eagle3_config,
+    save_eagle3,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -301,6 +308,8 @@ def convert_checkpoint(
     original = _read_config(source)
     if is_medusa_config(original):
         return _convert_medusa(source, dest, original, dtype, force, hf_path, resolved_revision)
+    if is_eagle3_config(original):
+        return _convert_eagle3(source, dest, original, dtype, force, hf_path, resolved_revision)
     config = normalize_config(original)
     _check_loadable(config)
     chosen = _pick_dtype(dtype, config)
@@ -409,6 +418,26 @@ def _convert_medusa(source, dest, config, dtype, force, hf_path, revision) -> Co
     _log(f"Medusa heads: {module.num_heads} x {module.num_layers} block(s), hidden {module.hidden}")
     with atomic_directory(dest, force) as out:
         save_medusa_heads(module, out)
+        provenance = _provenance(hf_path, revision, chosen, None, None)
+        provenance["source_config"] = config
+        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+    return ConversionResult(dest, None)
+
+
+def _convert_eagle3(source, dest, config, dtype, force, hf_path, revision) -> ConversionResult:
+    """An EAGLE-3 head alone (either published layout): renamed to one layout and cast; the
+    checks against a target happen when it is loaded for one."""
+    chosen = _pick_dtype(dtype, {**config, **(config.get("transformer_layer_config") or {})})
+    try:
+        cfg = read_eagle3_config(config)
+        _, weights = read_eagle3(source)
+        eagle3_weights(weights, cfg.layout)  # refuses what cannot be renamed
+    except (ValueError, KeyError) as exc:
+        raise ConversionError(f"{source}: {exc}") from exc
+    vocab = f"draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size}"
+    _log(f"EAGLE-3 head: hidden {cfg.hidden_size}, target layers {list(cfg.layer_ids)}, {vocab}")
+    with atomic_directory(dest, force) as out:
+        save_eagle3(out, cfg, weights, getattr(mx, chosen))
         provenance = _provenance(hf_path, revision, chosen, None, None)
         provenance["source_config"] = config
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
+from mlx_spec.drafters import eagle3 as eagle3_drafter
 from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter, hidden_wanted, unique_id
 from mlx_spec.drafters.branching import BranchingDraftModel, BranchingMTP
@@ -170,6 +171,13 @@ def load_branching_drafter(
     return BranchingDraftModel(model, width=width, max_depth=max_depth)
 
 
+def load_eagle3_drafter(path: str, model: nn.Module) -> Drafter:
+    """Load an EAGLE-3 head for `model`: the EAGLE repository's layout, the speculators
+    format, or one converted by `mlx-spec convert` (a directory, or a converted target
+    holding it in `eagle3/`). Its target layers, hidden size and vocabulary are checked."""
+    return eagle3_drafter.load_eagle3_drafter(path, model)
+
+
 def load_branching_mtp(
     path: str, model: nn.Module, *, width: int = 2, max_depth: int = 4
 ) -> BranchingMTP:
@@ -210,6 +218,14 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
                 "medusa/ directory; otherwise pass load_medusa_drafter(path)"
             )
         return load_medusa_drafter(str(source))
+    if drafter == "eagle3":
+        source = getattr(model, SOURCE_ATTR, None)
+        if source is None or not (Path(source) / eagle3_drafter.EAGLE_DIR).is_dir():
+            raise ValueError(
+                "drafter='eagle3' needs a target from mlx_spec.load() with an EAGLE-3 head in "
+                "its eagle3/ directory; otherwise pass load_eagle3_drafter(path, model)"
+            )
+        return load_eagle3_drafter(str(source), model)
     if drafter == "mtp":
         source = getattr(model, SOURCE_ATTR, None)
         if source is None:
@@ -219,7 +235,8 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
             )
         return load_mtp_drafter(str(source), model)
     raise ValueError(
-        f"unknown drafter {drafter!r}: pass 'ngram', 'mtp', a drafter from load_drafter(), or None"
+        f"unknown drafter {drafter!r}: pass 'ngram', 'mtp', 'eagle3', 'medusa', 'lookahead', a "
+        "drafter from load_drafter(), or None"
     )
 
 

@@ -115,6 +115,8 @@ def _drafter(args, model):
         chosen.append(mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp")
     if args.assistant:
         chosen.append(mlx_spec.load_gemma4_assistant(args.assistant, model))
+    if getattr(args, "eagle", None):
+        chosen.append(mlx_spec.load_eagle3_drafter(args.eagle, model))
     if len(chosen) > 1:
         return chosen
     return chosen[0] if chosen else None
@@ -127,7 +129,7 @@ def _demo_defaults(args) -> None:
 
     target, draft = converted_pair()
     args.model, args.compare = str(target), True
-    chosen = (args.ngram, args.draft_model, args.mtp is not None, args.assistant)
+    chosen = (args.ngram, args.draft_model, args.mtp is not None, args.assistant, args.eagle)
     tree = getattr(args, "medusa", None) is not None or getattr(args, "lookahead", False)
     if not any(chosen) and not tree:
         args.all_drafters = [str(draft)]
@@ -517,6 +519,12 @@ def _add_drafter_flags(p) -> None:
     drafters.add_argument(
         "--assistant", metavar="DIR", help="Gemma 4 assistant checkpoint (Gemma 4 targets only)"
     )
+    drafters.add_argument(
+        "--eagle",
+        metavar="DIR",
+        help="EAGLE-3 head (the EAGLE repository's layout, the speculators format, or converted "
+        "by mlx-spec convert), reading features of several target layers",
+    )
     p.add_argument(
         "--num-draft",
         type=_num_draft,
@@ -702,10 +710,11 @@ def cmd_serve(args) -> int:
     model, tokenizer = mlx_spec.load(args.model)
     mtp = None if args.mtp is None else (args.mtp or args.model)
     drafters = drafter_factories(
-        model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant
-    )
+        model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant,
+        eagle=args.eagle,
+    )  # fmt: skip
     flags = [("draft-model", args.draft_model), ("ngram", args.ngram), ("mtp", mtp),
-             ("gemma4-assistant", args.assistant)]  # fmt: skip
+             ("gemma4-assistant", args.assistant), ("eagle3", args.eagle)]  # fmt: skip
     named = [name for name, flag in flags if flag]
     several = getattr(args, "all_drafters", None) or len(named) > 1
     default = "all" if several else (named[0] if named else None)

@@ -445,6 +445,7 @@ def drafter_factories(
     draft_model: str | None = None,
     mtp: str | None = None,
     assistant: str | None = None,
+    eagle: str | None = None,
 ) -> dict[str, Callable[[], Drafter]]:
     """{drafter name: factory of a fresh drafter}: weights are loaded (and checked against the
     target) once, and every request gets its own drafter state over them.
@@ -454,6 +455,7 @@ def drafter_factories(
         draft_model: a draft model directory or hub id.
         mtp: an MTP drafter directory, or the converted target directory holding `mtp/`.
         assistant: a Gemma 4 assistant directory.
+        eagle: an EAGLE-3 head directory (its requests run as solo streams).
     Returns:
         One factory per drafter given (n-gram lookup always), and "all": a `DrafterGroup` of
         them, when there are two or more.
@@ -483,8 +485,15 @@ def drafter_factories(
         out["gemma4-assistant"] = DrafterFactory(
             lambda: Gemma4AssistantDrafter(loaded.assistant, model)
         )
+    if eagle is not None:
+        from mlx_spec.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
+
+        eagle_head = load_eagle3_drafter(eagle, model).module
+        out["eagle3"] = DrafterFactory(lambda: Eagle3Drafter(eagle_head, model))
     if len(out) > 1:  # every drafter at once: the policy picks one each round
         makers = list(out.values())
+        if "eagle3" in out and "mtp" in out:  # they read different target features
+            makers.remove(out["eagle3"])
         out[ALL] = DrafterFactory(lambda: DrafterGroup([make() for make in makers]))
     return out
 

@@ -297,3 +297,38 @@ def test_eagle3_bad_heads(target, tmp_path):
         load_eagle3_drafter(path, model)
     with pytest.raises(FileNotFoundError, match="no EAGLE-3 head here"):
         load_eagle3_drafter(tmp_path / "nothing", model)
+
+
+def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
+    """`mlx-spec convert` takes an EAGLE-3 head alone (speculators format here) to one layout
+    that loads to the same function; beside a converted target (`eagle3/`) it is what
+    drafter="eagle3" and `generate --eagle` find."""
+    import shutil
+    import subprocess
+    import sys
+
+    model, tok, _, root = target
+    path, _ = heads["speculators"]
+    out = convert_checkpoint(str(path), str(tmp_path / "head-mlx"), dtype="float32").path
+    assert json.loads((out / "config.json").read_text())["model_type"] == "eagle3"
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=tuple(IDS))
+    feats = runner.prefill(PROMPT)[:-1][None]
+    tokens = mx.array([PROMPT[1:]])
+    logits = []
+    for source in (path, out):
+        head = load_eagle3_drafter(source, model).module
+        logits.append(np.array(head(tokens, cache=head.make_cache(), hidden=feats)))
+    np.testing.assert_array_equal(logits[0], logits[1])
+
+    shutil.copytree(out, root / "llama-mlx" / "eagle3")
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=12).tokens
+    result = mlx_spec.generate(model, tok, PROMPT, drafter="eagle3", num_draft=2, max_tokens=12)
+    assert result.tokens == plain and result.stats.drafter == "eagle3"
+    run = subprocess.run(
+        [sys.executable, "-m", "mlx_spec.cli", "generate", "--model", str(root / "llama-mlx"),
+         "--eagle", str(out), "--prompt", "abcab", "--max-tokens", "6", "--num-draft", "2",
+         "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["stats"]["drafter"] == "eagle3"

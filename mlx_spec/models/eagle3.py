@@ -59,6 +59,13 @@ class Eagle3Config:
         return out
 
 
+def is_eagle3_config(config: dict) -> bool:
+    """An EAGLE-3 head's config, in either published layout or converted."""
+    if config.get("speculators_model_type") == "eagle3" or config.get("model_type") == "eagle3":
+        return True
+    return "draft_vocab_size" in config and "Eagle3" in " ".join(config.get("architectures") or [])
+
+
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's default: the inputs of layers 2, L // 2 and L - 3."""
     return (2, num_layers // 2, num_layers - 3)
@@ -72,7 +79,10 @@ def read_eagle3_config(config: dict, num_target_layers: int | None = None) -> Ea
     """
     if config.get("model_type") == "eagle3" and "layer_ids" in config:  # converted
         fields = {k: v for k, v in config.items() if k in Eagle3Config.__dataclass_fields__}
-        return Eagle3Config(**{**fields, "layer_ids": tuple(fields["layer_ids"])})
+        ids = fields["layer_ids"] or (
+            default_layer_ids(num_target_layers) if num_target_layers is not None else ()
+        )
+        return Eagle3Config(**{**fields, "layer_ids": tuple(ids)})
     if config.get("speculators_model_type") == "eagle3":
         layer = dict(config.get("transformer_layer_config") or {})
         layout = "speculators"
@@ -80,18 +90,16 @@ def read_eagle3_config(config: dict, num_target_layers: int | None = None) -> Ea
         draft_vocab = config.get("draft_vocab_size", layer.get("vocab_size"))
         target_hidden = config.get("target_hidden_size") or layer.get("hidden_size")
         before_residual = bool(config.get("norm_before_residual", False))
-    elif "draft_vocab_size" in config or "Eagle3" in " ".join(config.get("architectures") or []):
+    elif is_eagle3_config(config):
         layer, layout = config, "eagle3"
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         draft_vocab = config.get("draft_vocab_size", config.get("vocab_size"))
         target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
         before_residual = bool(config.get("norm_before_residual", False))
     else:
-        raise ValueError("not an EAGLE-3 config (no draft_vocab_size / speculators eagle3 type)")
-    if ids is None:
-        if num_target_layers is None:
-            raise ValueError("the EAGLE-3 config names no target layers and no target is given")
-        ids = default_layer_ids(num_target_layers)
+        raise ValueError("not an EAGLE-3 config (no Eagle3 architecture, no speculators eagle3)")
+    if ids is None:  # the default needs the target's depth; () until it is known
+        ids = default_layer_ids(num_target_layers) if num_target_layers is not None else ()
     heads = layer["num_attention_heads"]
     return Eagle3Config(
         hidden_size=layer["hidden_size"],
@@ -279,6 +287,22 @@ def read_eagle3(path: Path) -> tuple[dict, dict[str, mx.array]]:
     for file in files:
         weights.update(mx.load(str(file)))
     return config, weights
+
+
+def save_eagle3(out: Path, cfg: Eagle3Config, weights: dict[str, mx.array], dtype) -> None:
+    """Write a converted head: its tensors under `Eagle3Head`'s names in `dtype` (d2t kept as
+    integers), and a config.json `read_eagle3_config` reads back. Empty `layer_ids`: the
+    EAGLE-3 default, chosen for the target at load time."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+        for name, value in eagle3_weights(weights, cfg.layout).items()
+    }
+    if "d2t" in weights:
+        tensors["d2t"] = weights["d2t"].astype(mx.int64)
+    mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    config = {"model_type": "eagle3", **cfg.to_dict(), "layout": "eagle3"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def build_eagle3(path: Path, target: nn.Module) -> Eagle3Head:
