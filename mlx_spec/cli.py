@@ -304,8 +304,9 @@ def _add_distill(sub) -> None:
         "--kind",
         choices=KINDS,
         default="draft-model",
-        help="a small draft model (default), an MTP head on the target's states, or Medusa "
-        "heads (a tree of guesses of the next --heads tokens from the target's states)",
+        help="a small draft model (default), an MTP head on the target's states, Medusa "
+        "heads (a tree of guesses of the next --heads tokens from the target's states), or an "
+        "EAGLE-3 head (one layer over features of three target layers)",
     )
     p.add_argument(
         "--data",
@@ -398,7 +399,9 @@ def cmd_distill(args) -> int:
     for key in after:
         was = f"{before[key]:.3f} -> " if key in before else ""
         print(f"{key}: {was}{after[key]:.3f}")
-    flag = {"mtp": "--mtp", "medusa": "--medusa"}.get(args.kind, "--draft-model")
+    flag = {"mtp": "--mtp", "medusa": "--medusa", "eagle3": "--eagle"}.get(
+        args.kind, "--draft-model"
+    )
     print(
         f"wrote {args.out}; use it with: mlx-spec generate --model {args.model} {flag} {args.out}"
     )

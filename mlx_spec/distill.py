@@ -1,5 +1,6 @@
-"""Distill a drafter for a target: a small draft model or an MTP head, trained to match the
-frozen target's next-token distribution (KL(target || drafter)) on text.
+"""Distill a drafter for a target: a small draft model, an MTP head, Medusa heads or an
+EAGLE-3 head, trained to match the frozen target's next-token distribution
+(KL(target || drafter)) on text.
 
 Training is resumable: a checkpoint (weights, optimizer state, step) is written every
 `checkpoint_every` steps and on Ctrl-C; batches are a pure function of (seed, step), so a resumed
@@ -22,6 +23,7 @@ from mlx_spec.distill_data import (
     target_text,
     text_files,
 )
+from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.medusa import (
     MedusaDrafter,
     MedusaHeads,
@@ -29,7 +31,8 @@ from mlx_spec.drafters.medusa import (
     save_medusa_heads,
 )
 from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
-from mlx_spec.hidden import find_head, tap_hidden
+from mlx_spec.hidden import find_head, tap_hidden, tap_layers
+from mlx_spec.models.eagle3 import eagle3_for, save_eagle3
 from mlx_spec.models.mtp import MTPModule, target_layers
 
 import mlx.core as mx
@@ -40,7 +43,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, save_config, save_model
 from tqdm import tqdm
 
-KINDS = ("draft-model", "mtp", "medusa")
+KINDS = ("draft-model", "mtp", "medusa", "eagle3")
 CHECKPOINT = ".distill-checkpoint"
 
 
@@ -118,6 +121,8 @@ def build_student(
         return model_cls(args_cls.from_dict(student_cfg)), student_cfg
     if config.kind == "medusa":
         return medusa_student(target, config.heads), target_config
+    if config.kind == "eagle3":
+        return eagle3_for(target, target_config), target_config
     text = target_config.get("text_config", target_config)
     layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
     module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
@@ -144,6 +149,7 @@ def medusa_student(target: nn.Module, heads: int) -> MedusaHeads:
 
 def _load_student(target: nn.Module, target_config: dict, config: DistillConfig, init: Path):
     from mlx_spec.api import load
+    from mlx_spec.drafters.eagle3 import load_eagle3_drafter
     from mlx_spec.drafters.mtp import load_mtp_drafter
 
     if config.kind == "medusa":
@@ -154,6 +160,8 @@ def _load_student(target: nn.Module, target_config: dict, config: DistillConfig,
             )
         return module, target_config
 
+    if config.kind == "eagle3":
+        return load_eagle3_drafter(init, target).module, target_config
     if config.kind == "mtp":
         module = load_mtp_drafter(init, target).module
         if module.family != config.mtp_family:
@@ -178,6 +186,8 @@ class Distiller:
     def __init__(self, target: nn.Module, student: nn.Module, config: DistillConfig):
         self.target, self.student, self.config = target, student, config
         self.tap = tap_hidden(target) if config.kind in ("mtp", "medusa") else None
+        if config.kind == "eagle3":  # the features of the layers the head reads
+            self.tap = tap_layers(target, student.cfg.layer_ids)
         self.target.freeze()
         warmup = max(1, config.steps // 20)
         schedule = optim.join_schedules(
@@ -206,7 +216,8 @@ class Distiller:
                 _kl(teacher[:, k + 1 :], logits[k, :, : -(k + 1)]) for k in range(logits.shape[0])
             ]
             return mx.stack(losses).mean()
-        # MTP: the pair (h_p, t_{p+1}) predicts t_{p+2}, whose target distribution is at p+1.
+        # MTP and EAGLE-3: the pair (h_p, t_{p+1}) (h: the layers' features for EAGLE-3)
+        # predicts t_{p+2}, whose target distribution is at p+1.
         logits = self.student(tokens[:, 1:], cache=[None], hidden=hidden[:, :-1])
         return _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
 
@@ -292,6 +303,10 @@ def write_drafter(
         copy_tokenizer_files(target_dir, tmp)
     elif distiller.config.kind == "medusa":
         save_medusa_heads(distiller.student, tmp)
+    elif distiller.config.kind == "eagle3":
+        student = distiller.student
+        weights = dict(tree_flatten(student.parameters()))
+        save_eagle3(tmp, student.cfg, weights, mx.float32)
     else:
         save_mtp_drafter(tmp, distiller.student, student_cfg)
     (tmp / "distill.json").write_text(json.dumps(report, indent=2))
@@ -312,6 +327,8 @@ def drafter_for(distiller: Distiller, tokenizer):
 
     if distiller.config.kind == "mtp":
         return MTPDrafter(distiller.student, distiller.target)
+    if distiller.config.kind == "eagle3":
+        return Eagle3Drafter(distiller.student, distiller.target)
     if distiller.config.kind == "medusa":
         return MedusaDrafter(distiller.student)
     return DraftModelDrafter(distiller.student, tokenizer)

@@ -67,8 +67,10 @@ def is_eagle3_config(config: dict) -> bool:
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default: the inputs of layers 2, L // 2 and L - 3."""
-    return (2, num_layers // 2, num_layers - 3)
+    """EAGLE-3's default: the inputs of layers 2, L // 2 and L - 3 (kept inside 0 .. L - 1
+    for targets of fewer than 6 layers)."""
+    ids = (2, num_layers // 2, num_layers - 3)
+    return tuple(sorted(min(max(i, 0), num_layers - 1) for i in ids))
 
 
 def read_eagle3_config(config: dict, num_target_layers: int | None = None) -> Eagle3Config:
@@ -145,8 +147,10 @@ class _Attention(nn.Module):
         q = self.q_proj(x).reshape(b, s, self.heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, s, self.kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, s, self.kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
+        offset = 0 if cache is None else cache.offset  # None: a whole sequence (training)
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
         out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
 
@@ -256,6 +260,39 @@ class Eagle3Head(nn.Module):
         full = mx.full((*logits.shape[:-1], self.cfg.vocab_size), -mx.inf, logits.dtype)
         full[..., self.target_ids] = logits
         return full
+
+
+def eagle3_for(target: nn.Module, target_config: dict) -> Eagle3Head:
+    """A fresh EAGLE-3 head for `target` (to distil): as wide as the target, its attention
+    shaped like the target's, the full target vocabulary (no d2t), reading the default
+    layers; its output head starts as a copy of the target's."""
+    from mlx_spec.hidden import find_head
+
+    text = target_config.get("text_config", target_config)
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    cfg = Eagle3Config(
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        intermediate_size=text.get("intermediate_size", 4 * hidden),
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads", heads),
+        head_dim=text.get("head_dim") or hidden // heads,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=(text.get("rope_parameters") or {}).get("rope_theta")
+        or text.get("rope_theta", 10000.0),
+        rope_scaling=None,
+        max_position_embeddings=text.get("max_position_embeddings", 4096),
+        attention_bias=False,
+        vocab_size=text["vocab_size"],
+        draft_vocab_size=text["vocab_size"],
+        layer_ids=default_layer_ids(len(decoder_layers(target))),
+    )
+    head = Eagle3Head(cfg, target)
+    out, _ = find_head(target)
+    if out.weight.dtype in (mx.float32, mx.float16, mx.bfloat16):
+        head.lm_head.weight = mx.array(out.weight[: cfg.vocab_size].astype(mx.float32))
+    return head
 
 
 def eagle3_weights(weights: dict[str, mx.array], layout: str) -> dict[str, mx.array]:
