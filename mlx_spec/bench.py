@@ -131,10 +131,13 @@ MEDUSA = "medusa"  # Medusa heads: a tree verified in one pass (k: the tree's de
 LOOKAHEAD = "lookahead"  # lookahead decoding (k: the n-grams' length, at most N - 1 = 2)
 DRAFT_TREE = "draft-tree"  # the draft model's top 2 first tokens, each continued greedily
 MTP_TREE = "mtp-tree"  # the MTP head's top 2 first tokens, each continued by the head
+EAGLE3 = "eagle3"  # an EAGLE-3 head over three target layers' features (the target's eagle3/)
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
-MODES = (PLAIN, DRAFT_MODEL, NGRAM, MTP, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, ALL, PEER)
+MODES = (
+    PLAIN, DRAFT_MODEL, NGRAM, MTP, EAGLE3, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, ALL, PEER
+)  # fmt: skip
 TREE_MODES = (MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE)
-SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, ALL)
+SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, EAGLE3, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
 
@@ -939,6 +942,7 @@ class _Loaded:
     header: dict
     notes: list[str]
     medusa: object = None  # a MedusaDrafter (a tree drafter: never in the group)
+    eagle: Drafter | None = None  # reads other target features than MTP: not in the group
 
 
 def _shown(path) -> str:
@@ -1012,6 +1016,14 @@ def _load(config: BenchConfig) -> _Loaded:
             raise ValueError(
                 f"mode mtp/mtp-tree: {model_path} has no {MTP_DIR}/ drafter; pass --mtp DIR"
             )
+    eagle = None
+    local = Path(getattr(model, SOURCE_ATTR, model_path))
+    if _wants(config, EAGLE3) and (local / EAGLE3 / "config.json").is_file():
+        eagle = mlx_spec.load_eagle3_drafter(str(local), model)
+        ids = list(eagle.hidden_layers)
+        header["eagle3"] = f"{_shown(local / EAGLE3)} (target layers {ids})"
+    elif config.modes is not None and EAGLE3 in config.modes:
+        raise ValueError(f"mode eagle3: {model_path} has no {EAGLE3}/ head")
     medusa = None
     if config.modes is not None and MEDUSA in config.modes:  # tree modes run when asked for
         local = Path(getattr(model, SOURCE_ATTR, model_path))
@@ -1020,7 +1032,7 @@ def _load(config: BenchConfig) -> _Loaded:
             header["medusa"] = f"{_shown(local / MEDUSA)} ({medusa.max_depth} heads)"
         else:
             raise ValueError(f"mode medusa: {model_path} has no {MEDUSA}/ heads")
-    return _Loaded(model, tokenizer, draft, mtp, header, notes, medusa)
+    return _Loaded(model, tokenizer, draft, mtp, header, notes, medusa, eagle)
 
 
 def _prompts(config: BenchConfig, tokenizer, vocab: int, limits: list[int]) -> list[Prompt]:
@@ -1061,6 +1073,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
     out = {m: d for m, d in single.items() if d is not None and _wants(config, m)}
     if config.auto and len(out) > 1 and (config.modes is None or ALL in config.modes):
         out[ALL] = DrafterGroup(list(out.values()))
+    if loaded.eagle is not None and _wants(config, EAGLE3):
+        out[EAGLE3] = loaded.eagle
     if loaded.medusa is not None:
         out[MEDUSA] = loaded.medusa
     if config.modes is not None and LOOKAHEAD in config.modes:  # asked for: W 4, N 3, G 4

@@ -11,6 +11,7 @@ import sys
 import mlx_spec
 from mlx_spec import _blas
 from mlx_spec.distill import KINDS, DistillConfig
+from mlx_spec.drafters.branching import BranchingMTP
 from mlx_spec.drafters.lookahead import LookaheadDrafter
 
 EPILOG = """examples:
@@ -64,8 +65,8 @@ def _add_generate(sub) -> None:
         "--branches",
         type=int,
         metavar="B",
-        help="with --draft-model or --mtp: draft a tree, the drafter's B best first tokens "
-        "each continued greedily, verified in one target pass",
+        help="with --draft-model, --mtp or --eagle: draft a tree, the drafter's B best first "
+        "tokens each continued greedily, verified in one target pass",
     )
     p.add_argument(
         "--tree-size",
@@ -115,7 +116,10 @@ def _drafter(args, model):
         chosen.append(mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp")
     if args.assistant:
         chosen.append(mlx_spec.load_gemma4_assistant(args.assistant, model))
-    if getattr(args, "eagle", None):
+    if getattr(args, "eagle", None) and getattr(args, "branches", None):
+        head = mlx_spec.load_eagle3_drafter(args.eagle, model).module
+        chosen.append(BranchingMTP(head, width=args.branches))
+    elif getattr(args, "eagle", None):
         chosen.append(mlx_spec.load_eagle3_drafter(args.eagle, model))
     if len(chosen) > 1:
         return chosen
@@ -445,7 +449,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     p.add_argument(
         "--modes",
-        help="comma-separated subset of plain,draft-model,ngram,mtp,all,mlx-lm (default: all); "
+        help="comma-separated subset of plain,draft-model,ngram,mtp,eagle3,all,mlx-lm (default: "
+        "all); "
         "tree modes, run only when named: medusa,lookahead,draft-tree,mtp-tree",
     )
     p.add_argument("--num-draft", help="k sweep, comma-separated (default 1,2,4,8)")

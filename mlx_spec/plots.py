@@ -25,6 +25,7 @@ MODE_COLORS = {
     "lookahead": "#e377c2",
     "draft-tree": "#17becf",
     "mtp-tree": "#bcbd22",
+    "eagle3": "#aec7e8",
     ALL: "#ff7f0e",
     PEER: "#9467bd",
 }

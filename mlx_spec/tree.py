@@ -403,8 +403,10 @@ class TreeDrafter:
     """Anything that proposes a token tree each round (the tree counterpart of `Drafter`)."""
 
     name = "tree"
-    # True: `begin` and `accept` receive the target's final hidden states.
+    # True: `begin` and `accept` receive the target's final hidden states (or, with
+    # `hidden_layers`, those layers' features; see `Drafter`).
     needs_hidden = False
+    hidden_layers: tuple[int, ...] | None = None
     max_depth = 8
 
     def check_compatible(self, hidden_size: int, vocab_size: int) -> None:

@@ -14,6 +14,9 @@ Stages (each resumable; run them in order, or `all`):
   medusa     Medusa heads distilled for the shipped target (`mlx-spec distill --kind medusa`)
              and bundled into it as `model-medusa.safetensors` (`medusa_head.*`, the Medusa-2
              layout), so its conversion writes them to `medusa/`
+  eagle3     an EAGLE-3 head distilled for the shipped target (`mlx-spec distill --kind
+             eagle3`), shipped in `demo_pair/eagle3/` (float16, the EAGLE repository's layout),
+             which the pair's conversion writes to the converted target's `eagle3/`
 
 A fixed list of files is held out for evaluation and never trained on. Requires torch
 (`pip install torch==2.13.0`) and transformers for the target stage only.
@@ -30,6 +33,7 @@ for 1000, on the training files plus a million tokens of the target's own text:
     python scripts/train_embedded_pair.py refine --distill-steps 1000 --target-tokens 1000000
     python scripts/train_embedded_pair.py export
     python scripts/train_embedded_pair.py medusa --distill-steps 400
+    python scripts/train_embedded_pair.py eagle3 --distill-steps 500
 
 `mlx_spec/demo_pair/training.json` holds the logs of every round.
 
@@ -321,6 +325,49 @@ def stage_medusa(args) -> None:
     record.write_text(json.dumps(log, indent=1) + "\n")
 
 
+def stage_eagle3(args) -> None:
+    """An EAGLE-3 head distilled for the shipped target, shipped in the EAGLE repository's
+    layout (`midlayer.*`, float16) with its config in `demo_pair/eagle3/`."""
+    from mlx_spec.embedded import converted_pair
+
+    import mlx.core as mx
+
+    target, _ = converted_pair()
+    out = WORK / "eagle3-mlx"
+    if not (out / "distill.json").is_file():
+        _distill(args, target, "eagle3-mlx", "--kind", "eagle3")
+    config = json.loads((out / "config.json").read_text())
+    published = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config["num_key_value_heads"],
+        "head_dim": config["head_dim"],
+        "num_hidden_layers": 1,
+        "rms_norm_eps": config["rms_norm_eps"],
+        "rope_theta": config["rope_theta"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "vocab_size": config["vocab_size"],
+        "draft_vocab_size": config["draft_vocab_size"],
+        "torch_dtype": "float16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": config["layer_ids"]},
+    }
+    dest = OUT / "eagle3"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    weights = mx.load(str(out / "model.safetensors"))
+    mx.save_safetensors(
+        str(dest / "model.safetensors"), {k: v.astype(mx.float16) for k, v in weights.items()}
+    )
+    (dest / "config.json").write_text(json.dumps(published, indent=1) + "\n")
+    record = OUT / "training.json"
+    log = json.loads(record.read_text())
+    log["eagle3"] = json.loads((out / "distill.json").read_text())
+    record.write_text(json.dumps(log, indent=1) + "\n")
+
+
 def stage_export(args) -> None:
     from export_embedded_pair import export  # kept beside this script
 
@@ -334,7 +381,12 @@ STAGES = {
     "draft": stage_draft,
     "mtp": stage_mtp,
 }
-EXTRA = {"refine": stage_refine, "medusa": stage_medusa, "export": stage_export}
+EXTRA = {
+    "refine": stage_refine,
+    "medusa": stage_medusa,
+    "eagle3": stage_eagle3,
+    "export": stage_export,
+}
 
 
 def main() -> None:

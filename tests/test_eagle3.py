@@ -332,3 +332,39 @@ def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["stats"]["drafter"] == "eagle3"
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_eagle3_tree_equals_plain_and_its_first_branch_is_the_chain(target, heads, depth):
+    """The head's two best first tokens, each continued by the head (verified as a tree on
+    the tapped features): greedy output equals plain decoding, and every round's first branch
+    is what a fresh chain drafter drafts on the same sequence."""
+    from mlx_spec.drafters.branching import BranchingMTP
+
+    model, tok, _, _ = target
+    head = load_eagle3_drafter(heads["eagle3"][0], model).module
+    rounds = []
+
+    class Recording(BranchingMTP):
+        def begin(self, prompt, hidden):
+            self.sequence = list(prompt)
+            super().begin(prompt, hidden)
+
+        def draft_tree(self, depth, vocab_size, sampling):
+            tree = super().draft_tree(depth, vocab_size, sampling)
+            rounds.append((list(self.sequence), depth, tree))
+            return tree
+
+        def accept(self, tokens, hidden):
+            self.sequence += tokens
+            super().accept(tokens, hidden)
+
+    drafter = Recording(head, width=2, max_depth=depth)
+    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=24).tokens
+    result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=depth, max_tokens=24)
+    assert result.tokens == plain and result.stats.drafter == "eagle3-tree"
+    chain = Eagle3Drafter(head, model)
+    assert len(rounds) > 3
+    for sequence, k, tree in rounds:
+        first = [tree.tokens[0]] + [tree.tokens[i] for i in range(2, len(tree), 2)]
+        assert fresh_draft(chain, model, sequence, k) == first

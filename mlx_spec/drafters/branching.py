@@ -103,10 +103,11 @@ class BranchingDraftModel(_Branching):
 
 
 class BranchingMTP(_Branching):
-    """An MTP head proposing a tree. Its cache holds the pairs (h_p, t_{p+1}) of the verified
-    sequence; the root of each drafting pass is the newest pair (the target's hidden state
-    before the pending token, the pending token), and a node is fed with its parent's output
-    hidden state, as a chain step is fed with the step before it.
+    """An MTP head (or an EAGLE-3 head, on its target layers' features) proposing a tree.
+    Its cache holds the pairs (h_p, t_{p+1}) of the verified sequence; the root of each
+    drafting pass is the newest pair (the target's hidden state before the pending token, the
+    pending token), and a node is fed with its parent's output hidden state, as a chain step
+    is fed with the step before it.
 
     Args:
         module: the MTP module (e.g. `load_mtp_drafter(...).module`), built on its target.
@@ -120,6 +121,10 @@ class BranchingMTP(_Branching):
     def __init__(self, module: MTPModule, width: int = 2, max_depth: int = 4):
         super().__init__(width, max_depth)
         self.module = module
+        cfg = getattr(module, "cfg", None)  # an EAGLE-3 head: the layers it reads
+        if cfg is not None:
+            self.name, self.hidden_layers = "eagle3-tree", cfg.layer_ids
+        self._vocab = cfg.vocab_size if cfg is not None else module._embed.weight.shape[0]
         self.unfed: list[int] = []
         self.unfed_hidden: list[mx.array] = []
         self.root_hidden: mx.array | None = None
@@ -132,7 +137,7 @@ class BranchingMTP(_Branching):
             )
 
     def begin(self, prompt: list[int], hidden: mx.array | None) -> None:
-        self.runner = TreeTarget(self.module, self.module._embed.weight.shape[0])
+        self.runner = TreeTarget(self.module, self._vocab)
         nexts = prompt[1:]  # the token after each position that has a hidden state
         self.unfed, self.unfed_hidden = list(nexts[:-1]), [hidden[:-1]] if nexts else []
         self.pending = nexts[-1] if nexts else None
@@ -155,7 +160,10 @@ class BranchingMTP(_Branching):
         self.unfed, self.unfed_hidden = [], []
 
     def _fed(self, parents: list[int], feedback: mx.array | None) -> mx.array:
-        rows = [self.root_hidden[None]]
+        root = self.root_hidden[None]
+        if hasattr(self.module, "g_of"):  # EAGLE-3: features and fed-back outputs differ in width
+            root = self.module.g_of(root)
+        rows = [root]
         if parents:
             rows.append(feedback[mx.array([p + 1 for p in parents])])
         return mx.concatenate(rows).astype(self.root_hidden.dtype)

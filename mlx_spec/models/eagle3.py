@@ -246,11 +246,13 @@ class Eagle3Head(nn.Module):
         own = "embed_tokens" in self
         return self.embed_tokens(tokens) if own else self._embed(tokens)
 
+    def g_of(self, hidden: mx.array) -> mx.array:
+        """g: target features through `fc`; a fed-back output (the head's width) as is."""
+        return self.fc(hidden) if hidden.shape[-1] == self.features else hidden
+
     def __call__(self, tokens: mx.array, cache: list, hidden: mx.array) -> mx.array:
         e = self.embed(tokens)
-        g = hidden.astype(e.dtype)
-        if g.shape[-1] == self.features:
-            g = self.fc(g)
+        g = self.g_of(hidden.astype(e.dtype))
         mask = create_attention_mask(g, cache[0], return_array=True)
         y = self.midlayer(e, g, mask, cache[0])
         object.__setattr__(self, "feedback", y)
