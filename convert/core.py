@@ -29,6 +29,13 @@ from mlx_spec.drafters.medusa import (
     save_medusa_heads,
 )
 from mlx_spec.drafters.mtp import save_mtp_drafter
+from mlx_spec.models.dflash import (
+    dflash_weights,
+    is_dflash_config,
+    read_dflash,
+    read_dflash_config,
+    save_dflash,
+)
 from mlx_spec.models.eagle3 import (
     eagle3_weights,
     is_eagle3_config,
@@ -310,6 +317,8 @@ def convert_checkpoint(
         return _convert_medusa(source, dest, original, dtype, force, hf_path, resolved_revision)
     if is_eagle3_config(original):
         return _convert_eagle3(source, dest, original, dtype, force, hf_path, resolved_revision)
+    if is_dflash_config(original):
+        return _convert_dflash(source, dest, original, dtype, force, hf_path, resolved_revision)
     config = normalize_config(original)
     _check_loadable(config)
     chosen = _pick_dtype(dtype, config)
@@ -438,6 +447,28 @@ def _convert_eagle3(source, dest, config, dtype, force, hf_path, revision) -> Co
     _log(f"EAGLE-3 head: hidden {cfg.hidden_size}, target layers {list(cfg.layer_ids)}, {vocab}")
     with atomic_directory(dest, force) as out:
         save_eagle3(out, cfg, weights, getattr(mx, chosen))
+        provenance = _provenance(hf_path, revision, chosen, None, None)
+        provenance["source_config"] = config
+        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+    return ConversionResult(dest, None)
+
+
+def _convert_dflash(source, dest, config, dtype, force, hf_path, revision) -> ConversionResult:
+    """A DFlash drafter alone (z-lab's layout or speculators'): renamed and cast; its fit to
+    a target is checked when it is loaded for one."""
+    chosen = _pick_dtype(dtype, {**config, **(config.get("transformer_layer_config") or {})})
+    try:
+        cfg = read_dflash_config(config)
+        _, weights = read_dflash(source)
+        dflash_weights(weights)  # refuses what cannot be used
+    except (ValueError, KeyError) as exc:
+        raise ConversionError(f"{source}: {exc}") from exc
+    _log(
+        f"DFlash drafter: {cfg.num_layers} layer(s), hidden {cfg.hidden_size}, target layers "
+        f"{list(cfg.target_layer_ids)}, block {cfg.block_size}"
+    )
+    with atomic_directory(dest, force) as out:
+        save_dflash(out, cfg, weights, getattr(mx, chosen))
         provenance = _provenance(hf_path, revision, chosen, None, None)
         provenance["source_config"] = config
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
+from mlx_spec.drafters import dflash as dflash_drafter
 from mlx_spec.drafters import eagle3 as eagle3_drafter
 from mlx_spec.drafters import mtp as mtp_drafter
 from mlx_spec.drafters.base import Drafter, hidden_wanted, unique_id
@@ -178,6 +179,13 @@ def load_eagle3_drafter(path: str, model: nn.Module) -> Drafter:
     return eagle3_drafter.load_eagle3_drafter(path, model)
 
 
+def load_dflash_drafter(path: str, model: nn.Module) -> Drafter:
+    """Load a DFlash block drafter for `model`: z-lab's layout, the speculators format, or
+    one converted by `mlx-spec convert` (a directory, or a converted target holding it in
+    `dflash/`). Its tapped layers, width and mask token are checked against the target."""
+    return dflash_drafter.load_dflash_drafter(path, model)
+
+
 def load_branching_mtp(
     path: str, model: nn.Module, *, width: int = 2, max_depth: int = 4
 ) -> BranchingMTP:
@@ -218,6 +226,14 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
                 "medusa/ directory; otherwise pass load_medusa_drafter(path)"
             )
         return load_medusa_drafter(str(source))
+    if drafter == "dflash":
+        source = getattr(model, SOURCE_ATTR, None)
+        if source is None or not (Path(source) / dflash_drafter.DFLASH_DIR).is_dir():
+            raise ValueError(
+                "drafter='dflash' needs a target from mlx_spec.load() with a DFlash drafter in "
+                "its dflash/ directory; otherwise pass load_dflash_drafter(path, model)"
+            )
+        return load_dflash_drafter(str(source), model)
     if drafter == "eagle3":
         source = getattr(model, SOURCE_ATTR, None)
         if source is None or not (Path(source) / eagle3_drafter.EAGLE_DIR).is_dir():
@@ -235,7 +251,8 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
             )
         return load_mtp_drafter(str(source), model)
     raise ValueError(
-        f"unknown drafter {drafter!r}: pass 'ngram', 'mtp', 'eagle3', 'medusa', 'lookahead', a "
+        f"unknown drafter {drafter!r}: pass 'ngram', 'mtp', 'eagle3', 'dflash', 'medusa', "
+        "'lookahead', a "
         "drafter from load_drafter(), or None"
     )
 

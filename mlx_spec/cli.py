@@ -121,6 +121,8 @@ def _drafter(args, model):
         chosen.append(BranchingMTP(head, width=args.branches))
     elif getattr(args, "eagle", None):
         chosen.append(mlx_spec.load_eagle3_drafter(args.eagle, model))
+    if getattr(args, "dflash", None):
+        chosen.append(mlx_spec.load_dflash_drafter(args.dflash, model))
     if len(chosen) > 1:
         return chosen
     return chosen[0] if chosen else None
@@ -133,7 +135,10 @@ def _demo_defaults(args) -> None:
 
     target, draft = converted_pair()
     args.model, args.compare = str(target), True
-    chosen = (args.ngram, args.draft_model, args.mtp is not None, args.assistant, args.eagle)
+    chosen = (
+        args.ngram, args.draft_model, args.mtp is not None, args.assistant, args.eagle,
+        args.dflash,
+    )  # fmt: skip
     tree = getattr(args, "medusa", None) is not None or getattr(args, "lookahead", False)
     if not any(chosen) and not tree:
         args.all_drafters = [str(draft)]
@@ -533,6 +538,12 @@ def _add_drafter_flags(p) -> None:
         help="EAGLE-3 head (the EAGLE repository's layout, the speculators format, or converted "
         "by mlx-spec convert), reading features of several target layers",
     )
+    drafters.add_argument(
+        "--dflash",
+        metavar="DIR",
+        help="DFlash block drafter (z-lab's layout, the speculators format, or converted): a "
+        "block of drafts in one pass from several target layers' features",
+    )
     p.add_argument(
         "--num-draft",
         type=_num_draft,
@@ -719,10 +730,11 @@ def cmd_serve(args) -> int:
     mtp = None if args.mtp is None else (args.mtp or args.model)
     drafters = drafter_factories(
         model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant,
-        eagle=args.eagle,
+        eagle=args.eagle, dflash=args.dflash,
     )  # fmt: skip
     flags = [("draft-model", args.draft_model), ("ngram", args.ngram), ("mtp", mtp),
-             ("gemma4-assistant", args.assistant), ("eagle3", args.eagle)]  # fmt: skip
+             ("gemma4-assistant", args.assistant), ("eagle3", args.eagle),
+             ("dflash", args.dflash)]  # fmt: skip
     named = [name for name, flag in flags if flag]
     several = getattr(args, "all_drafters", None) or len(named) > 1
     default = "all" if several else (named[0] if named else None)

@@ -446,6 +446,7 @@ def drafter_factories(
     mtp: str | None = None,
     assistant: str | None = None,
     eagle: str | None = None,
+    dflash: str | None = None,
 ) -> dict[str, Callable[[], Drafter]]:
     """{drafter name: factory of a fresh drafter}: weights are loaded (and checked against the
     target) once, and every request gets its own drafter state over them.
@@ -456,6 +457,7 @@ def drafter_factories(
         mtp: an MTP drafter directory, or the converted target directory holding `mtp/`.
         assistant: a Gemma 4 assistant directory.
         eagle: an EAGLE-3 head directory (its requests run as solo streams).
+        dflash: a DFlash drafter directory (solo streams too).
     Returns:
         One factory per drafter given (n-gram lookup always), and "all": a `DrafterGroup` of
         them, when there are two or more.
@@ -490,10 +492,16 @@ def drafter_factories(
 
         eagle_head = load_eagle3_drafter(eagle, model).module
         out["eagle3"] = DrafterFactory(lambda: Eagle3Drafter(eagle_head, model))
+    if dflash is not None:
+        from mlx_spec.drafters.dflash import DFlashDrafter, load_dflash_drafter
+
+        block = load_dflash_drafter(dflash, model).model
+        out["dflash"] = DrafterFactory(lambda: DFlashDrafter(block, model))
     if len(out) > 1:  # every drafter at once: the policy picks one each round
         makers = list(out.values())
-        if "eagle3" in out and "mtp" in out:  # they read different target features
-            makers.remove(out["eagle3"])
+        readers = [name for name in ("mtp", "eagle3", "dflash") if name in out]
+        for name in readers[1:]:  # they read different target features: the first joins
+            makers.remove(out[name])
         out[ALL] = DrafterFactory(lambda: DrafterGroup([make() for make in makers]))
     return out
 
