@@ -23,6 +23,7 @@ from mlx_spec.distill_data import (
     target_text,
     text_files,
 )
+from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.medusa import (
     MedusaDrafter,
@@ -32,6 +33,7 @@ from mlx_spec.drafters.medusa import (
 )
 from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
 from mlx_spec.hidden import find_head, tap_hidden, tap_layers
+from mlx_spec.models.dflash import dflash_for, save_dflash, train_logits, training_anchors
 from mlx_spec.models.eagle3 import eagle3_for, save_eagle3
 from mlx_spec.models.mtp import MTPModule, target_layers
 
@@ -43,7 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, save_config, save_model
 from tqdm import tqdm
 
-KINDS = ("draft-model", "mtp", "medusa", "eagle3")
+KINDS = ("draft-model", "mtp", "medusa", "eagle3", "dflash")
 CHECKPOINT = ".distill-checkpoint"
 
 
@@ -59,7 +61,7 @@ class DistillConfig:
     checkpoint_every: int = 50
     seed: int = 0
     hidden_size: int = 128  # draft model only
-    num_layers: int = 2  # draft model only
+    num_layers: int = 2  # draft model and DFlash
     mtp_family: str = "mimo"  # MTP only: the published layout to store it in
     heads: int = 3  # Medusa only: heads (each guesses one position further)
 
@@ -123,6 +125,8 @@ def build_student(
         return medusa_student(target, config.heads), target_config
     if config.kind == "eagle3":
         return eagle3_for(target, target_config), target_config
+    if config.kind == "dflash":
+        return dflash_for(target, target_config, config.num_layers), target_config
     text = target_config.get("text_config", target_config)
     layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
     module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
@@ -149,6 +153,7 @@ def medusa_student(target: nn.Module, heads: int) -> MedusaHeads:
 
 def _load_student(target: nn.Module, target_config: dict, config: DistillConfig, init: Path):
     from mlx_spec.api import load
+    from mlx_spec.drafters.dflash import load_dflash_drafter
     from mlx_spec.drafters.eagle3 import load_eagle3_drafter
     from mlx_spec.drafters.mtp import load_mtp_drafter
 
@@ -162,6 +167,8 @@ def _load_student(target: nn.Module, target_config: dict, config: DistillConfig,
 
     if config.kind == "eagle3":
         return load_eagle3_drafter(init, target).module, target_config
+    if config.kind == "dflash":
+        return load_dflash_drafter(init, target).model, target_config
     if config.kind == "mtp":
         module = load_mtp_drafter(init, target).module
         if module.family != config.mtp_family:
@@ -188,6 +195,8 @@ class Distiller:
         self.tap = tap_hidden(target) if config.kind in ("mtp", "medusa") else None
         if config.kind == "eagle3":  # the features of the layers the head reads
             self.tap = tap_layers(target, student.cfg.layer_ids)
+        if config.kind == "dflash":
+            self.tap = tap_layers(target, student.hidden_layers)
         self.target.freeze()
         warmup = max(1, config.steps // 20)
         schedule = optim.join_schedules(
@@ -209,6 +218,14 @@ class Distiller:
     def _loss(self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None) -> mx.array:
         if self.config.kind == "draft-model":
             return _kl(teacher, self.student(tokens)[..., : teacher.shape[-1]])
+        if self.config.kind == "dflash":
+            # Draft i of the block at a guesses the token at a + i: the target's
+            # distribution for it is at a + i - 1.
+            logits = train_logits(self.student, tokens, hidden)[..., : teacher.shape[-1]]
+            block = self.student.cfg.block_size
+            starts = training_anchors(tokens.shape[1], block)
+            rows = mx.array([[a + i for i in range(block - 1)] for a in starts])
+            return _kl(teacher[:, rows], logits)
         if self.config.kind == "medusa":
             # Head k reads h_p and guesses t_{p+2+k}, whose target distribution is at p+1+k.
             logits = self.student(hidden)[..., : teacher.shape[-1]]  # [K, B, S, V]
@@ -307,6 +324,9 @@ def write_drafter(
         student = distiller.student
         weights = dict(tree_flatten(student.parameters()))
         save_eagle3(tmp, student.cfg, weights, mx.float32)
+    elif distiller.config.kind == "dflash":
+        student = distiller.student
+        save_dflash(tmp, student.cfg, dict(tree_flatten(student.parameters())), mx.float32)
     else:
         save_mtp_drafter(tmp, distiller.student, student_cfg)
     (tmp / "distill.json").write_text(json.dumps(report, indent=2))
@@ -329,6 +349,8 @@ def drafter_for(distiller: Distiller, tokenizer):
         return MTPDrafter(distiller.student, distiller.target)
     if distiller.config.kind == "eagle3":
         return Eagle3Drafter(distiller.student, distiller.target)
+    if distiller.config.kind == "dflash":
+        return DFlashDrafter(distiller.student, distiller.target)
     if distiller.config.kind == "medusa":
         return MedusaDrafter(distiller.student)
     return DraftModelDrafter(distiller.student, tokenizer)

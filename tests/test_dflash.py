@@ -219,3 +219,23 @@ def test_convert_dflash_and_use_it(target, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["stats"]["drafter"] == "dflash"
+
+
+def test_training_blocks_equal_inference_blocks(target):
+    """Distillation scores every block of a sequence in one pass (block-sparse mask, per-token
+    positions); each block's logits equal the inference pass's for that round."""
+    from mlx_spec.models.dflash import train_logits, training_anchors
+
+    model, *_, path, _ = target
+    drafter = load_dflash_drafter(path, model)
+    tokens = mx.array([list(range(3, 20)) + list(range(4, 12))])
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=drafter.hidden_layers)
+    features = runner.prefill(tokens[0].tolist())[None]
+    got = np.array(train_logits(drafter.model, tokens, features))
+    anchors = training_anchors(tokens.shape[1], BLOCK)
+    assert got.shape[:3] == (1, len(anchors), BLOCK - 1) and len(anchors) >= 2
+    for j, a in enumerate(anchors):
+        block = mx.array([[tokens[0, a].item()] + [MASK] * (BLOCK - 1)], mx.uint32)
+        caches = drafter.model.make_cache()
+        want = drafter.model(block, features[:, :a], caches, a)[0]
+        np.testing.assert_allclose(got[0, j], np.array(want), atol=1e-4, rtol=1e-4)

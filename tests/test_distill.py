@@ -27,7 +27,7 @@ def target_dir(tmp_path_factory):
     return tm.write_checkpoint(root / "target", config, tm.random_weights(config, 3, scale=0.7))
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "mtp", "medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft-model", "mtp", "medusa", "eagle3", "dflash"])
 def test_distill_moves_the_drafter_towards_the_target(target_dir, tmp_path, kind):
     """On text the target writes, 80 steps cut the held-out KL and raise the acceptance rate at
     temperature 1; the drafter written loads and decodes losslessly."""
@@ -48,6 +48,8 @@ def test_distill_moves_the_drafter_towards_the_target(target_dir, tmp_path, kind
         drafter = mlx_spec.load_medusa_drafter(str(out))
     elif kind == "eagle3":
         drafter = mlx_spec.load_eagle3_drafter(str(out), model)
+    elif kind == "dflash":
+        drafter = mlx_spec.load_dflash_drafter(str(out), model)
     else:
         drafter = mlx_spec.load_drafter(str(out))
     plain = mlx_spec.generate(model, tok, "abcab", max_tokens=20).tokens

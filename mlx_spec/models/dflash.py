@@ -66,11 +66,13 @@ class DFlashConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab's default: one tapped layer per draft layer, spread over 1 .. L - 3."""
+    """z-lab's default: one tapped layer per draft layer, spread over 1 .. L - 3 (kept inside
+    0 .. L - 1 for targets of fewer than 5 layers)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
-    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+    ids = (round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+    return tuple(min(max(i, 0), num_target_layers - 1) for i in ids)
 
 
 def is_dflash_config(config: dict) -> bool:
@@ -199,6 +201,32 @@ class _Attention(nn.Module):
                 visible = visible & (k_pos - q_pos < self.window)
         return visible
 
+    def train_call(self, x, ctx, ctx_pos, blk_pos, mask):
+        """Training: every block of a sequence at once. `x` `[B, N, d]` normed blocks at
+        positions `blk_pos`, `ctx` `[B, S, d]` at `ctx_pos`; `mask` `[N, S + N]`."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, n, self.heads, -1)).transpose(0, 2, 1, 3)
+        q = _rope_at(self.rope, q, blk_pos)
+        keys, values = [], []
+        for source, pos in ((ctx, ctx_pos), (x, blk_pos)):
+            s = source.shape[1]
+            k = self.k_norm(self.k_proj(source).reshape(b, s, self.kv_heads, -1))
+            keys.append(_rope_at(self.rope, k.transpose(0, 2, 1, 3), pos))
+            v = self.v_proj(source).reshape(b, s, self.kv_heads, -1)
+            values.append(v.transpose(0, 2, 1, 3))
+        k, v = mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
+        out = scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
+    """`x` `[B, H, L, D]` with token j at `positions[j]`: one rope call over B * L one-token
+    sequences, each with its own offset."""
+    b, h, n, d = x.shape
+    flat = x.transpose(0, 2, 1, 3).reshape(b * n, h, 1, d)
+    out = rope(flat, mx.broadcast_to(positions[None], (b, n)).reshape(-1))
+    return out.reshape(b, n, h, d).transpose(0, 2, 1, 3)
+
 
 class _MLP(nn.Module):
     def __init__(self, d: int, inner: int):
@@ -221,6 +249,10 @@ class _Layer(nn.Module):
 
     def __call__(self, x, ctx, cache, start):
         y = x + self.self_attn(self.input_layernorm(x), ctx, cache, start)
+        return y + self.mlp(self.post_attention_layernorm(y))
+
+    def train_call(self, x, ctx, ctx_pos, blk_pos, mask):
+        y = x + self.self_attn.train_call(self.input_layernorm(x), ctx, ctx_pos, blk_pos, mask)
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
@@ -265,6 +297,71 @@ class DFlashModel(nn.Module):
         if cap is not None and float(cap) > 0:
             logits = mx.tanh(logits / cap) * cap
         return logits
+
+
+def training_anchors(seq_len: int, block: int) -> list[int]:
+    """Where the training blocks start in a sequence: every `block` positions from 1, each
+    block's last draft still inside the sequence."""
+    return list(range(1, seq_len - block + 1, block))
+
+
+def train_logits(model: DFlashModel, tokens: mx.array, features: mx.array) -> mx.array:
+    """Logits `[B, A, block - 1, V]` of every training block of `tokens` `[B, S]` at once:
+    block j is `[tokens[a_j], mask ...]` at positions a_j .., seeing the context of
+    positions before a_j and its own block (the round it stands for, with every earlier
+    position committed). Draft i of block j guesses the token at a_j + i."""
+    cfg = model.cfg
+    block = cfg.block_size
+    b, s = tokens.shape
+    anchors = training_anchors(s, block)
+    starts = mx.array(anchors)
+    ids = mx.full((b, len(anchors), block), cfg.mask_token_id, mx.uint32)
+    ids[:, :, 0] = tokens[:, starts].astype(mx.uint32)
+    x = model._embed(ids.reshape(b, -1)) * cfg.input_embedding_scale
+    ctx = model.hidden_norm(model.fc(features.astype(x.dtype)))
+    blk_pos = (starts[:, None] + mx.arange(block)[None]).reshape(-1)
+    ctx_pos = mx.arange(s)
+    owner = mx.repeat(mx.arange(len(anchors)), block)  # the block each row belongs to
+    sees_ctx = ctx_pos[None] < mx.repeat(starts, block)[:, None]
+    mask = mx.concatenate([sees_ctx, owner[:, None] == owner[None]], axis=1)
+    for layer in model.layers:
+        x = layer.train_call(x, ctx, ctx_pos, blk_pos, mask)
+    head, method = model._head
+    logits = getattr(head, method)(model.norm(x)).reshape(b, len(anchors), block, -1)[:, :, 1:]
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    cap = cfg.final_logit_softcapping
+    if cap is not None and float(cap) > 0:
+        logits = mx.tanh(logits / cap) * cap
+    return logits
+
+
+def dflash_for(target: nn.Module, target_config: dict, layers: int = 2, block: int = 8):
+    """A fresh DFlash drafter for `target` (to distil): as wide as the target, attention
+    shaped like the target's, `layers` layers reading as many target layers (z-lab's
+    default spread), the last token of the vocabulary as its mask token."""
+    text = target_config.get("text_config", target_config)
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    depth = len(decoder_layers(target))
+    cfg = DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=text.get("intermediate_size", 4 * hidden),
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads", heads),
+        head_dim=text.get("head_dim") or hidden // heads,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=(text.get("rope_parameters") or {}).get("rope_theta")
+        or text.get("rope_theta", 10000.0),
+        rope_scaling=None,
+        max_position_embeddings=text.get("max_position_embeddings", 4096),
+        attention_bias=False,
+        target_layer_ids=default_target_layer_ids(depth, layers),
+        mask_token_id=text["vocab_size"] - 1,
+        block_size=block,
+        layer_types=("full_attention",) * layers,
+    )
+    return DFlashModel(cfg, target, hidden)
 
 
 def dflash_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
