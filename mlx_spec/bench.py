@@ -132,12 +132,14 @@ LOOKAHEAD = "lookahead"  # lookahead decoding (k: the n-grams' length, at most N
 DRAFT_TREE = "draft-tree"  # the draft model's top 2 first tokens, each continued greedily
 MTP_TREE = "mtp-tree"  # the MTP head's top 2 first tokens, each continued by the head
 EAGLE3 = "eagle3"  # an EAGLE-3 head over three target layers' features (the target's eagle3/)
+DFLASH = "dflash"  # a DFlash block drafter (the target's dflash/)
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
 MODES = (
-    PLAIN, DRAFT_MODEL, NGRAM, MTP, EAGLE3, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, ALL, PEER
+    PLAIN, DRAFT_MODEL, NGRAM, MTP, EAGLE3, DFLASH, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, ALL,
+    PEER,
 )  # fmt: skip
 TREE_MODES = (MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE)
-SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, EAGLE3, ALL)
+SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, EAGLE3, DFLASH, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
 
@@ -943,6 +945,7 @@ class _Loaded:
     notes: list[str]
     medusa: object = None  # a MedusaDrafter (a tree drafter: never in the group)
     eagle: Drafter | None = None  # reads other target features than MTP: not in the group
+    dflash: Drafter | None = None  # likewise
 
 
 def _shown(path) -> str:
@@ -1024,6 +1027,13 @@ def _load(config: BenchConfig) -> _Loaded:
         header["eagle3"] = f"{_shown(local / EAGLE3)} (target layers {ids})"
     elif config.modes is not None and EAGLE3 in config.modes:
         raise ValueError(f"mode eagle3: {model_path} has no {EAGLE3}/ head")
+    block = None
+    if _wants(config, DFLASH) and (local / DFLASH / "config.json").is_file():
+        block = mlx_spec.load_dflash_drafter(str(local), model)
+        size = block.model.cfg.block_size
+        header["dflash"] = f"{_shown(local / DFLASH)} (block {size}, layers {block.hidden_layers})"
+    elif config.modes is not None and DFLASH in config.modes:
+        raise ValueError(f"mode dflash: {model_path} has no {DFLASH}/ drafter")
     medusa = None
     if config.modes is not None and MEDUSA in config.modes:  # tree modes run when asked for
         local = Path(getattr(model, SOURCE_ATTR, model_path))
@@ -1032,7 +1042,7 @@ def _load(config: BenchConfig) -> _Loaded:
             header["medusa"] = f"{_shown(local / MEDUSA)} ({medusa.max_depth} heads)"
         else:
             raise ValueError(f"mode medusa: {model_path} has no {MEDUSA}/ heads")
-    return _Loaded(model, tokenizer, draft, mtp, header, notes, medusa, eagle)
+    return _Loaded(model, tokenizer, draft, mtp, header, notes, medusa, eagle, block)
 
 
 def _prompts(config: BenchConfig, tokenizer, vocab: int, limits: list[int]) -> list[Prompt]:
@@ -1075,6 +1085,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
         out[ALL] = DrafterGroup(list(out.values()))
     if loaded.eagle is not None and _wants(config, EAGLE3):
         out[EAGLE3] = loaded.eagle
+    if loaded.dflash is not None and _wants(config, DFLASH):
+        out[DFLASH] = loaded.dflash
     if loaded.medusa is not None:
         out[MEDUSA] = loaded.medusa
     if config.modes is not None and LOOKAHEAD in config.modes:  # asked for: W 4, N 3, G 4

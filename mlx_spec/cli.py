@@ -314,8 +314,9 @@ def _add_distill(sub) -> None:
         choices=KINDS,
         default="draft-model",
         help="a small draft model (default), an MTP head on the target's states, Medusa "
-        "heads (a tree of guesses of the next --heads tokens from the target's states), or an "
-        "EAGLE-3 head (one layer over features of three target layers)",
+        "heads (a tree of guesses of the next --heads tokens from the target's states), an "
+        "EAGLE-3 head (one layer over features of three target layers) or a DFlash block "
+        "drafter (--layers layers drafting 7 tokens per pass)",
     )
     p.add_argument(
         "--data",
@@ -360,7 +361,9 @@ def _add_distill(sub) -> None:
     p.add_argument(
         "--hidden-size", type=int, default=defaults.hidden_size, help="draft model width"
     )
-    p.add_argument("--layers", type=int, default=defaults.num_layers, help="draft model depth")
+    p.add_argument(
+        "--layers", type=int, default=defaults.num_layers, help="draft model or DFlash depth"
+    )
     p.add_argument(
         "--mtp-family",
         choices=("mimo", "deepseek_v3", "qwen3_5"),
@@ -408,7 +411,7 @@ def cmd_distill(args) -> int:
     for key in after:
         was = f"{before[key]:.3f} -> " if key in before else ""
         print(f"{key}: {was}{after[key]:.3f}")
-    flag = {"mtp": "--mtp", "medusa": "--medusa", "eagle3": "--eagle"}.get(
+    flag = {"mtp": "--mtp", "medusa": "--medusa", "eagle3": "--eagle", "dflash": "--dflash"}.get(
         args.kind, "--draft-model"
     )
     print(
@@ -454,7 +457,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--num-prompts", type=int, help="use only the first N prompts")
     p.add_argument(
         "--modes",
-        help="comma-separated subset of plain,draft-model,ngram,mtp,eagle3,all,mlx-lm (default: "
+        help="comma-separated subset of plain,draft-model,ngram,mtp,eagle3,dflash,all,mlx-lm "
+        "(default: "
         "all); "
         "tree modes, run only when named: medusa,lookahead,draft-tree,mtp-tree",
     )

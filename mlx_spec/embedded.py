@@ -61,7 +61,8 @@ def _fingerprint(folder: Path) -> str:
 
 def converted_pair(pair_dir: Path = PAIR_DIR) -> tuple[Path, Path]:
     """(target dir, draft dir) in MLX format, converting the shipped checkpoints once; the
-    shipped EAGLE-3 head (if any) is converted into the target's `eagle3/`."""
+    shipped EAGLE-3 head and DFlash drafter (if any) go into the target's `eagle3/` and
+    `dflash/`."""
     from convert import convert_checkpoint
 
     if not available(pair_dir):
@@ -75,11 +76,13 @@ def converted_pair(pair_dir: Path = PAIR_DIR) -> tuple[Path, Path]:
         if not (dest / "config.json").is_file():
             convert_checkpoint(str(source), str(dest), force=dest.exists())
         out.append(dest)
-    head = pair_dir / "eagle3"
-    if (head / "config.json").is_file():
-        dest, mark = out[0] / "eagle3", f"{_fingerprint(head)}\n"
+    for name in ("eagle3", "dflash"):  # drafters shipped beside the target
+        source = pair_dir / name
+        if not (source / "config.json").is_file():
+            continue
+        dest, mark = out[0] / name, f"{_fingerprint(source)}\n"
         stamp = dest / "SOURCE_FINGERPRINT"
         if not stamp.is_file() or stamp.read_text() != mark:
-            convert_checkpoint(str(head), str(dest), force=dest.exists())
+            convert_checkpoint(str(source), str(dest), force=dest.exists())
             stamp.write_text(mark)
     return out[0], out[1]

@@ -26,6 +26,7 @@ MODE_COLORS = {
     "draft-tree": "#17becf",
     "mtp-tree": "#bcbd22",
     "eagle3": "#aec7e8",
+    "dflash": "#98df8a",
     ALL: "#ff7f0e",
     PEER: "#9467bd",
 }

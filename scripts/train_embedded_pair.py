@@ -17,6 +17,8 @@ Stages (each resumable; run them in order, or `all`):
   eagle3     an EAGLE-3 head distilled for the shipped target (`mlx-spec distill --kind
              eagle3`), shipped in `demo_pair/eagle3/` (float16, the EAGLE repository's layout),
              which the pair's conversion writes to the converted target's `eagle3/`
+  dflash     a DFlash block drafter distilled likewise (`--kind dflash`), shipped in
+             `demo_pair/dflash/` in z-lab's layout (a Qwen3 config with `dflash_config`)
 
 A fixed list of files is held out for evaluation and never trained on. Requires torch
 (`pip install torch==2.13.0`) and transformers for the target stage only.
@@ -33,7 +35,8 @@ for 1000, on the training files plus a million tokens of the target's own text:
     python scripts/train_embedded_pair.py refine --distill-steps 1000 --target-tokens 1000000
     python scripts/train_embedded_pair.py export
     python scripts/train_embedded_pair.py medusa --distill-steps 400
-    python scripts/train_embedded_pair.py eagle3 --distill-steps 500
+    python scripts/train_embedded_pair.py eagle3 --distill-steps 600
+    python scripts/train_embedded_pair.py dflash --distill-steps 400
 
 `mlx_spec/demo_pair/training.json` holds the logs of every round.
 
@@ -330,8 +333,6 @@ def stage_eagle3(args) -> None:
     layout (`midlayer.*`, float16) with its config in `demo_pair/eagle3/`."""
     from mlx_spec.embedded import converted_pair
 
-    import mlx.core as mx
-
     target, _ = converted_pair()
     out = WORK / "eagle3-mlx"
     if not (out / "distill.json").is_file():
@@ -354,17 +355,60 @@ def stage_eagle3(args) -> None:
         "torch_dtype": "float16",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": config["layer_ids"]},
     }
-    dest = OUT / "eagle3"
+    _ship(out, OUT / "eagle3", published, "eagle3")
+
+
+def stage_dflash(args) -> None:
+    """A DFlash block drafter distilled for the shipped target, shipped in z-lab's layout
+    (a Qwen3 config with `dflash_config`, float16) in `demo_pair/dflash/`."""
+    from mlx_spec.embedded import converted_pair
+
+    target, _ = converted_pair()
+    out = WORK / "dflash-mlx"
+    if not (out / "distill.json").is_file():
+        _distill(args, target, "dflash-mlx", "--kind", "dflash", "--layers", "2")
+    config = json.loads((out / "config.json").read_text())
+    published = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "num_hidden_layers": config["num_layers"],
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config["num_key_value_heads"],
+        "head_dim": config["head_dim"],
+        "rms_norm_eps": config["rms_norm_eps"],
+        "rope_theta": config["rope_theta"],
+        "max_position_embeddings": config["max_position_embeddings"],
+        "vocab_size": VOCAB,
+        "torch_dtype": "float16",
+        "num_target_layers": TARGET["num_hidden_layers"],
+        "dflash_config": {
+            "target_layer_ids": config["target_layer_ids"],
+            "mask_token_id": config["mask_token_id"],
+            "block_size": config["block_size"],
+        },
+    }
+    _ship(out, OUT / "dflash", published, "dflash")
+
+
+def _ship(out: Path, dest: Path, config: dict, name: str) -> None:
+    """A distilled drafter's weights (float16) and its published config into the pair, and
+    its distillation log into training.json."""
+    import mlx.core as mx
+
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     weights = mx.load(str(out / "model.safetensors"))
     mx.save_safetensors(
-        str(dest / "model.safetensors"), {k: v.astype(mx.float16) for k, v in weights.items()}
-    )
-    (dest / "config.json").write_text(json.dumps(published, indent=1) + "\n")
+        str(dest / "model.safetensors"),
+        {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+         for k, v in weights.items()},
+    )  # fmt: skip
+    (dest / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     record = OUT / "training.json"
     log = json.loads(record.read_text())
-    log["eagle3"] = json.loads((out / "distill.json").read_text())
+    log[name] = json.loads((out / "distill.json").read_text())
     record.write_text(json.dumps(log, indent=1) + "\n")
 
 
@@ -385,6 +429,7 @@ EXTRA = {
     "refine": stage_refine,
     "medusa": stage_medusa,
     "eagle3": stage_eagle3,
+    "dflash": stage_dflash,
     "export": stage_export,
 }
 
