@@ -436,39 +436,51 @@ def _convert_medusa(source, dest, config, dtype, force, hf_path, revision) -> Co
 def _convert_eagle3(source, dest, config, dtype, force, hf_path, revision) -> ConversionResult:
     """An EAGLE-3 head alone (either published layout): renamed to one layout and cast; the
     checks against a target happen when it is loaded for one."""
-    chosen = _pick_dtype(dtype, {**config, **(config.get("transformer_layer_config") or {})})
-    try:
-        cfg = read_eagle3_config(config)
-        _, weights = read_eagle3(source)
-        eagle3_weights(weights, cfg.layout)  # refuses what cannot be renamed
-    except (ValueError, KeyError) as exc:
-        raise ConversionError(f"{source}: {exc}") from exc
-    vocab = f"draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size}"
-    _log(f"EAGLE-3 head: hidden {cfg.hidden_size}, target layers {list(cfg.layer_ids)}, {vocab}")
-    with atomic_directory(dest, force) as out:
-        save_eagle3(out, cfg, weights, getattr(mx, chosen))
-        provenance = _provenance(hf_path, revision, chosen, None, None)
-        provenance["source_config"] = config
-        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
-    return ConversionResult(dest, None)
+
+    def summary(cfg) -> str:
+        vocab = f"draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size}"
+        return (
+            f"EAGLE-3 head: hidden {cfg.hidden_size}, target layers {list(cfg.layer_ids)}, {vocab}"
+        )
+
+    reader = (read_eagle3_config, read_eagle3, lambda w, cfg: eagle3_weights(w, cfg.layout))
+    return _convert_drafter(
+        source, dest, config, dtype, force, hf_path, revision, reader, save_eagle3, summary
+    )
 
 
 def _convert_dflash(source, dest, config, dtype, force, hf_path, revision) -> ConversionResult:
     """A DFlash drafter alone (z-lab's layout or speculators'): renamed and cast; its fit to
     a target is checked when it is loaded for one."""
+
+    def summary(cfg) -> str:
+        return (
+            f"DFlash drafter: {cfg.num_layers} layer(s), hidden {cfg.hidden_size}, target "
+            f"layers {list(cfg.target_layer_ids)}, block {cfg.block_size}"
+        )
+
+    reader = (read_dflash_config, read_dflash, lambda w, cfg: dflash_weights(w))
+    return _convert_drafter(
+        source, dest, config, dtype, force, hf_path, revision, reader, save_dflash, summary
+    )
+
+
+def _convert_drafter(
+    source, dest, config, dtype, force, hf_path, revision, reader, save, summary
+) -> ConversionResult:
+    """A drafter that ships as a repository of its own: its config read, its tensors renamed
+    (refusing what cannot be used) and cast, written atomically with its provenance."""
+    read_config, read_tensors, rename = reader
     chosen = _pick_dtype(dtype, {**config, **(config.get("transformer_layer_config") or {})})
     try:
-        cfg = read_dflash_config(config)
-        _, weights = read_dflash(source)
-        dflash_weights(weights)  # refuses what cannot be used
+        cfg = read_config(config)
+        _, weights = read_tensors(source)
+        rename(weights, cfg)
     except (ValueError, KeyError) as exc:
         raise ConversionError(f"{source}: {exc}") from exc
-    _log(
-        f"DFlash drafter: {cfg.num_layers} layer(s), hidden {cfg.hidden_size}, target layers "
-        f"{list(cfg.target_layer_ids)}, block {cfg.block_size}"
-    )
+    _log(summary(cfg))
     with atomic_directory(dest, force) as out:
-        save_dflash(out, cfg, weights, getattr(mx, chosen))
+        save(out, cfg, weights, getattr(mx, chosen))
         provenance = _provenance(hf_path, revision, chosen, None, None)
         provenance["source_config"] = config
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.hidden import decoder_layers, find_embedding, find_head
+from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -289,11 +290,15 @@ class DFlashModel(nn.Module):
             ctx = self.hidden_norm(self.fc(features.astype(x.dtype)))
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, ctx, cache, start)
+        return self.logits(x[:, 1:])
+
+    def logits(self, x: mx.array) -> mx.array:
+        """The target's head over `norm(x)`, times `output_multiplier`, soft-capped."""
         head, method = self._head
-        logits = getattr(head, method)(self.norm(x[:, 1:]))
-        if cfg.output_multiplier != 1.0:
-            logits = logits * cfg.output_multiplier
-        cap = cfg.final_logit_softcapping
+        logits = getattr(head, method)(self.norm(x))
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
         if cap is not None and float(cap) > 0:
             logits = mx.tanh(logits / cap) * cap
         return logits
@@ -326,14 +331,7 @@ def train_logits(model: DFlashModel, tokens: mx.array, features: mx.array) -> mx
     mask = mx.concatenate([sees_ctx, owner[:, None] == owner[None]], axis=1)
     for layer in model.layers:
         x = layer.train_call(x, ctx, ctx_pos, blk_pos, mask)
-    head, method = model._head
-    logits = getattr(head, method)(model.norm(x)).reshape(b, len(anchors), block, -1)[:, :, 1:]
-    if cfg.output_multiplier != 1.0:
-        logits = logits * cfg.output_multiplier
-    cap = cfg.final_logit_softcapping
-    if cap is not None and float(cap) > 0:
-        logits = mx.tanh(logits / cap) * cap
-    return logits
+    return model.logits(x).reshape(b, len(anchors), block, -1)[:, :, 1:]
 
 
 def dflash_for(target: nn.Module, target_config: dict, layers: int = 2, block: int = 8):
@@ -379,26 +377,13 @@ def dflash_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def read_dflash(path: Path) -> tuple[dict, dict[str, mx.array]]:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{path}: no DFlash drafter here (no config.json)") from exc
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights (pickled weights are refused)")
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
-    return config, weights
+    return read_checkpoint(path, "DFlash drafter")
 
 
 def save_dflash(out: Path, cfg: DFlashConfig, weights: dict[str, mx.array], dtype) -> None:
     """A converted drafter: tensors under `DFlashModel`'s names, and its config."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
-        for name, value in dflash_weights(weights).items()
-    }
+    tensors = cast_floats(dflash_weights(weights), dtype)
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
     (out / "config.json").write_text(
         json.dumps({"model_type": "dflash", **cfg.to_dict()}, indent=2)
@@ -433,22 +418,5 @@ def build_dflash(path: Path, target: nn.Module) -> DFlashModel:
             f"target's {width}-wide embedding"
         )
     model = DFlashModel(cfg, target, width)
-    tensors = dflash_weights(weights)
-    from mlx.utils import tree_flatten
-
-    expected = {name: tuple(v.shape) for name, v in tree_flatten(model.parameters())}
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"{path}: tensor {name} is missing")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}"
-            )
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise ValueError(f"{path}: unexpected tensors {extra[:4]}")
-    model.load_weights(list(tensors.items()), strict=True)
-    if mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    load_checked(model, dflash_weights(weights), path)
     return model

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.hidden import decoder_layers, find_embedding
+from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -315,17 +316,7 @@ def eagle3_weights(weights: dict[str, mx.array], layout: str) -> dict[str, mx.ar
 
 def read_eagle3(path: Path) -> tuple[dict, dict[str, mx.array]]:
     """(config.json, every tensor) of an EAGLE-3 directory (safetensors; sharded or not)."""
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{path}: no EAGLE-3 head here (no config.json)") from exc
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights (pickled weights are refused)")
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
-    return config, weights
+    return read_checkpoint(path, "EAGLE-3 head")
 
 
 def save_eagle3(out: Path, cfg: Eagle3Config, weights: dict[str, mx.array], dtype) -> None:
@@ -333,10 +324,7 @@ def save_eagle3(out: Path, cfg: Eagle3Config, weights: dict[str, mx.array], dtyp
     integers), and a config.json `read_eagle3_config` reads back. Empty `layer_ids`: the
     EAGLE-3 default, chosen for the target at load time."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
-        for name, value in eagle3_weights(weights, cfg.layout).items()
-    }
+    tensors = cast_floats(eagle3_weights(weights, cfg.layout), dtype)
     if "d2t" in weights:
         tensors["d2t"] = weights["d2t"].astype(mx.int64)
     mx.save_safetensors(str(out / "model.safetensors"), tensors, metadata={"format": "mlx"})
@@ -384,27 +372,5 @@ def build_eagle3(path: Path, target: nn.Module) -> Eagle3Head:
         top = int(head.target_ids.max().item())
         if top >= cfg.vocab_size or int(head.target_ids.min().item()) < 0:
             raise ValueError(f"{path}: tensor d2t maps draft ids outside the target vocabulary")
-    tensors = eagle3_weights(weights, cfg.layout)
-    expected = dict(_flat_shapes(head))
-    for name, shape in expected.items():
-        if name not in tensors:
-            raise ValueError(f"{path}: tensor {name} is missing")
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}"
-            )
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise ValueError(f"{path}: unexpected tensors {extra[:4]}")
-    head.load_weights(list(tensors.items()), strict=True)
-    if mx.default_device() == mx.cpu:
-        head.set_dtype(mx.float32)
-    mx.eval(head.parameters())
+    load_checked(head, eagle3_weights(weights, cfg.layout), path)
     return head
-
-
-def _flat_shapes(module: nn.Module):
-    from mlx.utils import tree_flatten
-
-    for name, value in tree_flatten(module.parameters()):
-        yield name, tuple(value.shape)
