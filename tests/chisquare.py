@@ -71,3 +71,29 @@ def reference_probs(logits: np.ndarray, config) -> np.ndarray:
     if config.min_p:
         p = np.where(p < config.min_p * p.max(), 0.0, p)
     return p / p.sum()
+
+
+def first_tokens(model, tok, prompt, drafter, config, runs: int, num_draft: int = 2) -> list:
+    """The first three tokens of `runs` seeded generations with `drafter` (k = `num_draft`)
+    at the sampling settings of `config` (temperature and top-k)."""
+    import mlx_spec
+
+    return [
+        tuple(
+            mlx_spec.generate(
+                model, tok, prompt, drafter=drafter, num_draft=num_draft, max_tokens=3,
+                temperature=config.temperature, top_k=config.top_k, seed=s,
+            ).tokens
+        )
+        for s in range(runs)
+    ]  # fmt: skip
+
+
+def exact_first_tokens(model, prompt, config, vocab: int) -> dict:
+    """The target's exact distribution of its first three sampled tokens after `prompt`."""
+    import mlx.core as mx
+
+    def next_probs(ids):
+        return reference_probs(np.array(model(mx.array([ids]))[0, -1, :vocab]), config)
+
+    return exact_sequences(next_probs, prompt, 3)

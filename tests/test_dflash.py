@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from chisquare import chisquare_pvalue, exact_sequences, reference_probs
+from chisquare import chisquare_pvalue, exact_first_tokens, first_tokens
 from conftest import with_eos
 
 dflash_model = pytest.importorskip("dflash.model")  # installed by the README's test command
@@ -153,20 +153,8 @@ def test_distribution_with_dflash(target):
     with its own q) follow the target's exact distribution."""
     model, tok, *_, path, _ = target
     drafter = load_dflash_drafter(path, model)
-    samples = [
-        tuple(
-            mlx_spec.generate(
-                model, tok, PROMPT, drafter=drafter, num_draft=2, max_tokens=3,
-                temperature=1.0, top_k=3, seed=s,
-            ).tokens
-        )
-        for s in range(1500)
-    ]  # fmt: skip
-
-    def next_probs(ids):
-        return reference_probs(np.array(model(mx.array([ids]))[0, -1, : hfm.VOCAB]), DIST)
-
-    assert chisquare_pvalue(samples, exact_sequences(next_probs, PROMPT, 3)) > 1e-3
+    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 1500)
+    assert chisquare_pvalue(samples, exact_first_tokens(model, PROMPT, DIST, hfm.VOCAB)) > 1e-3
 
 
 def test_dflash_bad_drafters(target, tmp_path):

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from chisquare import chisquare_pvalue, exact_sequences, reference_probs
+from chisquare import chisquare_pvalue, exact_first_tokens, first_tokens
 from conftest import with_eos
 from safetensors.torch import save_file
 
@@ -260,20 +260,8 @@ def test_distribution_with_a_reduced_draft_vocabulary(target, heads):
     zero outside its half of the vocabulary, follow the target's exact distribution."""
     model, tok, _, _ = target
     drafter = load_eagle3_drafter(heads["eagle3"][0], model)
-    samples = [
-        tuple(
-            mlx_spec.generate(
-                model, tok, PROMPT, drafter=drafter, num_draft=2, max_tokens=3,
-                temperature=1.0, top_k=3, seed=s,
-            ).tokens
-        )
-        for s in range(1500)
-    ]  # fmt: skip
-
-    def next_probs(ids):
-        return reference_probs(np.array(model(mx.array([ids]))[0, -1, : hfm.VOCAB]), DIST)
-
-    assert chisquare_pvalue(samples, exact_sequences(next_probs, PROMPT, 3)) > 1e-3
+    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 1500)
+    assert chisquare_pvalue(samples, exact_first_tokens(model, PROMPT, DIST, hfm.VOCAB)) > 1e-3
 
 
 def test_eagle3_bad_heads(target, tmp_path):

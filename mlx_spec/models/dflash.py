@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.hidden import decoder_layers, find_embedding, find_head
+from mlx_spec.models.blocks import SwiGLU
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
 import mlx.core as mx
@@ -229,22 +230,11 @@ def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
     return out.reshape(b, n, h, d).transpose(0, 2, 1, 3)
 
 
-class _MLP(nn.Module):
-    def __init__(self, d: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, inner, bias=False)
-        self.up_proj = nn.Linear(d, inner, bias=False)
-        self.down_proj = nn.Linear(inner, d, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig, index: int):
         super().__init__()
         self.self_attn = _Attention(cfg, index)
-        self.mlp = _MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

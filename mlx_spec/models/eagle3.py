@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.hidden import decoder_layers, find_embedding
+from mlx_spec.models.blocks import SwiGLU
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
 import mlx.core as mx
@@ -156,17 +157,6 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, d: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(d, inner, bias=False)
-        self.up_proj = nn.Linear(d, inner, bias=False)
-        self.down_proj = nn.Linear(inner, d, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """The decoder layer over (embedding, g) pairs."""
 
@@ -174,7 +164,7 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = _Attention(cfg)
-        self.mlp = _MLP(d, cfg.intermediate_size)
+        self.mlp = SwiGLU(d, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(d, eps)
         self.hidden_norm = nn.RMSNorm(d, eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps)
