@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.hidden import decoder_layers, find_embedding, find_head
-from mlx_spec.models.blocks import SwiGLU
+from mlx_spec.models.blocks import SwiGLU, shaped_like
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
 import mlx.core as mx
@@ -328,28 +328,18 @@ def dflash_for(target: nn.Module, target_config: dict, layers: int = 2, block: i
     """A fresh DFlash drafter for `target` (to distil): as wide as the target, attention
     shaped like the target's, `layers` layers reading as many target layers (z-lab's
     default spread), the last token of the vocabulary as its mask token."""
-    text = target_config.get("text_config", target_config)
-    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    shape = shaped_like(target_config)
+    vocab = target_config.get("text_config", target_config)["vocab_size"]
     depth = len(decoder_layers(target))
     cfg = DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=text.get("intermediate_size", 4 * hidden),
+        **shape,
         num_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=text.get("num_key_value_heads", heads),
-        head_dim=text.get("head_dim") or hidden // heads,
-        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-        rope_theta=(text.get("rope_parameters") or {}).get("rope_theta")
-        or text.get("rope_theta", 10000.0),
-        rope_scaling=None,
-        max_position_embeddings=text.get("max_position_embeddings", 4096),
-        attention_bias=False,
         target_layer_ids=default_target_layer_ids(depth, layers),
-        mask_token_id=text["vocab_size"] - 1,
+        mask_token_id=vocab - 1,
         block_size=block,
         layer_types=("full_attention",) * layers,
     )
-    return DFlashModel(cfg, target, hidden)
+    return DFlashModel(cfg, target, shape["hidden_size"])
 
 
 def dflash_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:

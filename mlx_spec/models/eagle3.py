@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.hidden import decoder_layers, find_embedding
-from mlx_spec.models.blocks import SwiGLU
+from mlx_spec.models.blocks import SwiGLU, shaped_like
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
 import mlx.core as mx
@@ -261,24 +261,13 @@ def eagle3_for(target: nn.Module, target_config: dict) -> Eagle3Head:
     layers; its output head starts as a copy of the target's."""
     from mlx_spec.hidden import find_head
 
-    text = target_config.get("text_config", target_config)
-    hidden = text["hidden_size"]
-    heads = text["num_attention_heads"]
+    shape = shaped_like(target_config)
+    vocab = target_config.get("text_config", target_config)["vocab_size"]
     cfg = Eagle3Config(
-        hidden_size=hidden,
-        target_hidden_size=hidden,
-        intermediate_size=text.get("intermediate_size", 4 * hidden),
-        num_attention_heads=heads,
-        num_key_value_heads=text.get("num_key_value_heads", heads),
-        head_dim=text.get("head_dim") or hidden // heads,
-        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-        rope_theta=(text.get("rope_parameters") or {}).get("rope_theta")
-        or text.get("rope_theta", 10000.0),
-        rope_scaling=None,
-        max_position_embeddings=text.get("max_position_embeddings", 4096),
-        attention_bias=False,
-        vocab_size=text["vocab_size"],
-        draft_vocab_size=text["vocab_size"],
+        **shape,
+        target_hidden_size=shape["hidden_size"],
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
         layer_ids=default_layer_ids(len(decoder_layers(target))),
     )
     head = Eagle3Head(cfg, target)
