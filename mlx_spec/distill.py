@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 KINDS = ("draft-model", "mtp", "medusa", "eagle3", "dflash")
 CHECKPOINT = ".distill-checkpoint"
+TTT_STEPS = 3  # EAGLE-3: drafting steps unrolled in training
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,11 @@ class Distiller:
         hidden = self.tap.hidden if self.tap else None
         return mx.stop_gradient(logprobs), None if hidden is None else mx.stop_gradient(hidden)
 
-    def _loss(self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None) -> mx.array:
+    def _loss(
+        self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None, unroll: bool = True
+    ) -> mx.array:
+        """The training loss (`unroll=False`: the first drafting step alone, the held-out KL
+        every kind reports alike)."""
         if self.config.kind == "draft-model":
             return _kl(teacher, self.student(tokens)[..., : teacher.shape[-1]])
         if self.config.kind == "dflash":
@@ -236,7 +241,19 @@ class Distiller:
         # MTP and EAGLE-3: the pair (h_p, t_{p+1}) (h: the layers' features for EAGLE-3)
         # predicts t_{p+2}, whose target distribution is at p+1.
         logits = self.student(tokens[:, 1:], cache=[None], hidden=hidden[:, :-1])
-        return _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
+        loss = _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
+        if self.config.kind != "eagle3" or not unroll:
+            return loss
+        # EAGLE-3's training-time test: step i + 1 feeds back step i's outputs, as drafting
+        # does (here every position is self-fed: the sequence-wide approximation), the
+        # pair (y_p, t_{p+i+1}) guessing t_{p+i+2}; the steps weigh 0.8 ** i.
+        total, weight = loss, 1.0
+        for step in range(1, TTT_STEPS):
+            fed = self.student.feedback[:, :-1]
+            logits = self.student(tokens[:, step + 1 :], cache=[None], hidden=fed)
+            weight *= 0.8
+            total = total + weight * _kl(teacher[:, step + 1 :], logits[..., : teacher.shape[-1]])
+        return total
 
     def step(self, tokens: mx.array) -> float:
         teacher, hidden = self._teacher(tokens)
@@ -250,7 +267,7 @@ class Distiller:
         losses = []
         for tokens in batches:
             teacher, hidden = self._teacher(tokens)
-            losses.append(self._loss(tokens, teacher, hidden).item())
+            losses.append(self._loss(tokens, teacher, hidden, unroll=False).item())
         return float(np.mean(losses)) if losses else float("nan")
 
 
