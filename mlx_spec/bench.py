@@ -454,6 +454,7 @@ class TimedDrafter(Drafter):
         self.inner = inner
         self.name = inner.name
         self.needs_hidden = inner.needs_hidden
+        self.hidden_layers = getattr(inner, "hidden_layers", None)
         self.seconds = 0.0
         self.drafted = 0
 
@@ -501,6 +502,7 @@ class TimedTreeDrafter(TreeDrafter):
     def __init__(self, inner: TreeDrafter):
         self.inner = inner
         self.name, self.needs_hidden = inner.name, inner.needs_hidden
+        self.hidden_layers = getattr(inner, "hidden_layers", None)
         self.max_depth = inner.max_depth
         self.seconds = 0.0
         self.drafted = 0

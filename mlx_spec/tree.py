@@ -444,6 +444,7 @@ class TreeAsChain(Drafter):
         self.tree_drafter = tree_drafter
         self.name = tree_drafter.name
         self.needs_hidden = tree_drafter.needs_hidden
+        self.hidden_layers = tree_drafter.hidden_layers
         self.vocab_size = 0
 
     def check_compatible(self, target: nn.Module, tokenizer, vocab_size: int) -> None:

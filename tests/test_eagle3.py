@@ -356,3 +356,16 @@ def test_eagle3_tree_equals_plain_and_its_first_branch_is_the_chain(target, head
     for sequence, k, tree in rounds:
         first = [tree.tokens[0]] + [tree.tokens[i] for i in range(2, len(tree), 2)]
         assert fresh_draft(chain, model, sequence, k) == first
+
+
+def test_wrappers_ask_for_the_same_features(target, heads):
+    """A wrapped drafter (the bench's timing wrapper, a group) makes the runner record the
+    layers the drafter reads, not the final hidden states."""
+    from mlx_spec.bench import TimedDrafter
+    from mlx_spec.drafters.base import hidden_wanted
+    from mlx_spec.drafters.group import DrafterGroup
+    from mlx_spec.drafters.ngram import NgramDrafter
+
+    drafter = load_eagle3_drafter(heads["eagle3"][0], target[0])
+    for wrapped in (TimedDrafter(drafter), DrafterGroup([NgramDrafter(), drafter])):
+        assert hidden_wanted(wrapped) == tuple(IDS)
