@@ -143,6 +143,12 @@ def test_dflash_state_after_forced_outcomes(target, accepted):
         runner(mx.array([sequence[-1]] + emitted[:-1], mx.uint32))
         drafter.accept(accepted, emitted, runner.last_hidden)
         sequence += emitted
+        for _ in range(5):  # plain steps: the context piles up, then is caught up on
+            token = int(mx.argmax(runner(mx.array([sequence[-1]], mx.uint32))[-1]).item())
+            drafter.accept(0, [token], runner.last_hidden)
+            sequence.append(token)
+        drafter.catch_up()
+        assert not drafter._queued and drafter.caches[0].offset == len(sequence) - 1
 
 
 DIST = SamplingConfig(temperature=1.0, top_k=3)

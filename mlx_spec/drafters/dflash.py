@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlx_spec.drafters.base import Draft, Drafter, unique_id
-from mlx_spec.drafters.draft_model import pick_token
+from mlx_spec.drafters.draft_model import CATCH_UP, pick_token
 from mlx_spec.hidden import decoder_layers
 from mlx_spec.models.dflash import DFlashModel, build_dflash
 from mlx_spec.sampling import SamplingConfig
@@ -64,6 +64,15 @@ class DFlashDrafter(Drafter):
         self.caches = self.model.make_cache()
         self._queued = [] if hidden is None or not hidden.shape[0] else [hidden]
         self.pending, self.position, self.vocab_size = prompt[-1], len(prompt) - 1, vocab_size
+
+    def catch_up(self) -> None:
+        """Cache the context that piled up over plain steps, so that the next block pays for
+        drafting only (a few positions ride along with it)."""
+        if sum(h.shape[0] for h in self._queued) < CATCH_UP or self.caches is None:
+            return
+        self.model.feed_context(mx.concatenate(self._queued)[None], self.caches)
+        self._queued = []
+        mx.eval([c.state for c in self.caches])
 
     def draft(self, k: int, sampling: SamplingConfig) -> Draft:
         k = min(k, self.max_depth)

@@ -272,6 +272,15 @@ class DFlashModel(nn.Module):
     def make_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def feed_context(self, features: mx.array, caches: list) -> None:
+        """Append the context of `features` `[1, C, n T]` (the positions after those cached)
+        to every layer's cache, without drafting: K/V of a layer's context depend on the
+        context alone."""
+        ctx = self.hidden_norm(self.fc(features.astype(self.fc.weight.dtype)))
+        for layer, cache in zip(self.layers, caches, strict=True):
+            k, v = layer.self_attn._kv(ctx, cache.offset)
+            cache.update_and_fetch(k, v)
+
     def __call__(self, block: mx.array, features, caches: list, start: int) -> mx.array:
         cfg = self.cfg
         x = self._embed(block) * cfg.input_embedding_scale
