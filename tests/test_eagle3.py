@@ -322,7 +322,7 @@ def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
     assert json.loads(run.stdout)["stats"]["drafter"] == "eagle3"
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("depth", [2, 4])
 def test_eagle3_tree_equals_plain_and_its_first_branch_is_the_chain(target, heads, depth):
     """The head's two best first tokens, each continued by the head (verified as a tree on
     the tapped features): greedy output equals plain decoding, and every round's first branch
