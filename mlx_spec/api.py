@@ -218,30 +218,24 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
         return NgramDrafter()
     if drafter == "lookahead":
         return LookaheadDrafter()
-    if drafter == "medusa":
+    beside = {  # drafters found in a directory beside a converted target: (folder, what,
+        # the loader to name otherwise, load(source, model))
+        "medusa": ("medusa", "Medusa heads", "load_medusa_drafter(path)",
+                   lambda source, _: load_medusa_drafter(source)),
+        "dflash": (dflash_drafter.DFLASH_DIR, "a DFlash drafter",
+                   "load_dflash_drafter(path, model)", load_dflash_drafter),
+        "eagle3": (eagle3_drafter.EAGLE_DIR, "an EAGLE-3 head",
+                   "load_eagle3_drafter(path, model)", load_eagle3_drafter),
+    }  # fmt: skip
+    if drafter in beside:
+        folder, what, hint, load_it = beside[drafter]
         source = getattr(model, SOURCE_ATTR, None)
-        if source is None or not (Path(source) / "medusa").is_dir():
+        if source is None or not (Path(source) / folder).is_dir():
             raise ValueError(
-                "drafter='medusa' needs a target from mlx_spec.load() with Medusa heads in its "
-                "medusa/ directory; otherwise pass load_medusa_drafter(path)"
+                f"drafter={drafter!r} needs a target from mlx_spec.load() with {what} in its "
+                f"{folder}/ directory; otherwise pass {hint}"
             )
-        return load_medusa_drafter(str(source))
-    if drafter == "dflash":
-        source = getattr(model, SOURCE_ATTR, None)
-        if source is None or not (Path(source) / dflash_drafter.DFLASH_DIR).is_dir():
-            raise ValueError(
-                "drafter='dflash' needs a target from mlx_spec.load() with a DFlash drafter in "
-                "its dflash/ directory; otherwise pass load_dflash_drafter(path, model)"
-            )
-        return load_dflash_drafter(str(source), model)
-    if drafter == "eagle3":
-        source = getattr(model, SOURCE_ATTR, None)
-        if source is None or not (Path(source) / eagle3_drafter.EAGLE_DIR).is_dir():
-            raise ValueError(
-                "drafter='eagle3' needs a target from mlx_spec.load() with an EAGLE-3 head in "
-                "its eagle3/ directory; otherwise pass load_eagle3_drafter(path, model)"
-            )
-        return load_eagle3_drafter(str(source), model)
+        return load_it(str(source), model)
     if drafter == "mtp":
         source = getattr(model, SOURCE_ATTR, None)
         if source is None:
@@ -252,8 +246,7 @@ def _resolve_drafter(drafter: DrafterSpec, model: nn.Module) -> Drafter | TreeDr
         return load_mtp_drafter(str(source), model)
     raise ValueError(
         f"unknown drafter {drafter!r}: pass 'ngram', 'mtp', 'eagle3', 'dflash', 'medusa', "
-        "'lookahead', a "
-        "drafter from load_drafter(), or None"
+        "'lookahead', a drafter from load_drafter(), or None"
     )
 
 
