@@ -347,7 +347,7 @@ def write_drafter(
     else:
         save_mtp_drafter(tmp, distiller.student, student_cfg)
     (tmp / "distill.json").write_text(json.dumps(report, indent=2))
-    keep = {CHECKPOINT, DATA_CACHE}
+    keep = {CHECKPOINT, DATA_CACHE, BEFORE}
     if out.exists():
         for child in out.iterdir():
             if child.name not in keep:
@@ -420,6 +420,7 @@ def measure(distiller: Distiller, tokenizer, heldout: TokenData) -> dict:
 
 
 DATA_CACHE = ".distill-data.npz"
+BEFORE = ".distill-before.json"  # the untrained drafter's scores, kept for a resumed run
 
 
 def prepare_data(
@@ -431,6 +432,7 @@ def prepare_data(
     generate: int,
     seed: int,
     target_tokens: int = 0,
+    target_batch: int = 16,
 ) -> tuple[TokenData, TokenData]:
     """Training and held-out tokens, cached in `out_dir` so a resumed run uses the same ones.
 
@@ -453,7 +455,7 @@ def prepare_data(
         train, heldout = train[:cut], train[cut:]
     if data_paths and target_tokens > 0:
         vocab = scored_vocab(target, tokenizer)
-        own = target_text(target, train, target_tokens, seed, tokenizer, vocab)
+        own = target_text(target, train, target_tokens, seed, tokenizer, vocab, target_batch)
         train = np.concatenate([train, own])
     out_dir.mkdir(parents=True, exist_ok=True)
     np.savez(cache, train=train, heldout=heldout)
@@ -469,6 +471,7 @@ def run_distill(
     holdout_paths: tuple = (),
     generate: int = 50_000,
     target_tokens: int = 0,
+    target_batch: int = 16,
     init: str | None = None,
     progress: bool = True,
     force: bool = False,
@@ -481,6 +484,7 @@ def run_distill(
     Args:
         target_tokens: with `data_paths`, also train on about this many tokens of the target's
             own continuations of windows of the data (half greedy, half sampled).
+        target_batch: rows the target continues at once while writing them.
         init: a drafter directory to train further instead of starting from scratch.
     """
     from mlx_spec.api import load
@@ -494,14 +498,28 @@ def run_distill(
         )
     target, tokenizer = load(target_dir)
     data, heldout = prepare_data(
-        target, tokenizer, out_dir, data_paths, holdout_paths, generate, config.seed, target_tokens
+        target,
+        tokenizer,
+        out_dir,
+        data_paths,
+        holdout_paths,
+        generate,
+        config.seed,
+        target_tokens,
+        target_batch,
     )
     student, student_cfg = build_student(
         target, target_text_config(Path(target_dir)), config, None if init is None else Path(init)
     )
     distiller = Distiller(target, student, config)
     tic = time.perf_counter()
-    before = measure(distiller, tokenizer, heldout) if not checkpoint.exists() else None
+    before_file = out_dir / BEFORE
+    if checkpoint.exists():  # resumed: the first run measured the untrained drafter
+        before = json.loads(before_file.read_text()) if before_file.is_file() else None
+    else:
+        before = measure(distiller, tokenizer, heldout)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        before_file.write_text(json.dumps(before))
     steps = train(distiller, data, checkpoint, progress)
     after = measure(distiller, tokenizer, heldout)
     report = {
@@ -511,6 +529,7 @@ def run_distill(
         "train_tokens": len(data),
         "heldout_tokens": len(heldout),
         "target_tokens": target_tokens,
+        "target_batch": target_batch,
         "init": init,
         "seconds": time.perf_counter() - tic,
         "before": before,
@@ -519,4 +538,5 @@ def run_distill(
     write_drafter(out_dir, distiller, student_cfg, Path(target_dir), report)
     shutil.rmtree(checkpoint, ignore_errors=True)
     (out_dir / DATA_CACHE).unlink(missing_ok=True)
+    before_file.unlink(missing_ok=True)
     return report

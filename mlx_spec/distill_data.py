@@ -79,7 +79,14 @@ def continue_windows(
 
 
 def target_text(
-    model, data: np.ndarray, count: int, seed: int, tokenizer, vocab_size: int, prompt_len: int = 64
+    model,
+    data: np.ndarray,
+    count: int,
+    seed: int,
+    tokenizer,
+    vocab_size: int,
+    batch_size: int = 16,
+    prompt_len: int = 64,
 ) -> np.ndarray:
     """About `count` tokens of the target's own text to train on: windows of `data`, each
     followed by the target's continuation (half greedy, half sampled at temperature 1) and EOS
@@ -92,8 +99,8 @@ def target_text(
     half = rows // 2
     continued = np.concatenate(
         [
-            continue_windows(model, windows[:half], new, 0.0, seed, vocab_size),
-            continue_windows(model, windows[half:], new, 1.0, seed + 1, vocab_size),
+            continue_windows(model, windows[:half], new, 0.0, seed, vocab_size, batch_size),
+            continue_windows(model, windows[half:], new, 1.0, seed + 1, vocab_size, batch_size),
         ]
     )
     eos = sorted(tokenizer.eos_token_ids)[:1]

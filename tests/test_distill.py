@@ -65,10 +65,11 @@ def _weights(out, kind):
 @pytest.mark.parametrize("kind", ["draft-model", "mtp"])
 def test_interrupted_run_resumes_to_the_same_result(target_dir, tmp_path, monkeypatch, kind):
     """Ctrl-C at step 13 leaves a checkpoint; running again finishes at 30 steps with the same
-    weights as an uninterrupted run (same batches, optimizer state restored)."""
+    weights as an uninterrupted run (same batches, optimizer state restored), and reports the
+    untrained drafter's scores that the first run measured."""
     config = DistillConfig(kind=kind, steps=30, checkpoint_every=10, **SMALL)
     whole = tmp_path / "whole"
-    run_distill(str(target_dir), str(whole), config, generate=4000, progress=False)
+    first = run_distill(str(target_dir), str(whole), config, generate=4000, progress=False)
 
     original, calls = Distiller.step, {"n": 0}
 
@@ -87,6 +88,8 @@ def test_interrupted_run_resumes_to_the_same_result(target_dir, tmp_path, monkey
     monkeypatch.setattr(Distiller, "step", original)
     report = run_distill(str(target_dir), str(resumed), config, generate=4000, progress=False)
     assert report["steps"] == 30
+    assert report["before"] == first["before"] and report["before"] is not None
+    assert not any(p.name.startswith(".distill") for p in resumed.iterdir())
     got, want = _weights(resumed, kind), _weights(whole, kind)
     assert got.keys() == want.keys()
     for name in want:
