@@ -164,12 +164,18 @@ def load_medusa_drafter(
 
 
 def load_branching_drafter(
-    path_or_hub_id: str, *, width: int = 2, max_depth: int = 4, revision: str | None = None
+    path_or_hub_id: str,
+    *,
+    width: int = 2,
+    max_depth: int = 4,
+    dynamic: bool = False,
+    revision: str | None = None,
 ) -> BranchingDraftModel:
     """Load a small draft model as a tree drafter: its `width` best candidates at the first
-    position, each continued greedily (verified as a tree in one target pass)."""
+    position, each continued greedily (verified as a tree in one target pass), or with
+    `dynamic` EAGLE-2's dynamic tree (`width` candidates expanded per level)."""
     model, _ = load(path_or_hub_id, revision=revision)
-    return BranchingDraftModel(model, width=width, max_depth=max_depth)
+    return BranchingDraftModel(model, width=width, max_depth=max_depth, dynamic=dynamic)
 
 
 def load_eagle3_drafter(path: str, model: nn.Module) -> Drafter:
@@ -187,12 +193,23 @@ def load_dflash_drafter(path: str, model: nn.Module) -> Drafter:
 
 
 def load_branching_mtp(
-    path: str, model: nn.Module, *, width: int = 2, max_depth: int = 4
+    path: str, model: nn.Module, *, width: int = 2, max_depth: int = 4, dynamic: bool = False
 ) -> BranchingMTP:
     """Load the MTP head converted beside `model` as a tree drafter: its `width` best
-    candidates after the pending token, each continued by the head's own greedy chain."""
+    candidates after the pending token, each continued by the head's own greedy chain, or
+    with `dynamic` EAGLE-2's dynamic tree (`width` candidates expanded per level)."""
     module = mtp_drafter.load_mtp_drafter(path, model).module
-    return BranchingMTP(module, width=width, max_depth=max_depth)
+    return BranchingMTP(module, width=width, max_depth=max_depth, dynamic=dynamic)
+
+
+def load_eagle3_tree(
+    path: str, model: nn.Module, *, width: int = 2, max_depth: int = 4, dynamic: bool = True
+) -> BranchingMTP:
+    """Load an EAGLE-3 head (as `load_eagle3_drafter` does) as a tree drafter: by default
+    EAGLE-2's dynamic tree, `width` candidates expanded per level, each proposing its `width`
+    best children, the `width * depth` likeliest paths verified in one target pass."""
+    module = eagle3_drafter.load_eagle3_drafter(path, model).module
+    return BranchingMTP(module, width=width, max_depth=max_depth, dynamic=dynamic)
 
 
 def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:

@@ -69,8 +69,8 @@ The cost model (the analytic bound), in units of one plain decoding step (1 / pl
   is rolled back after each pass. Medians of `micro_repeats` passes after two warm-up passes,
   the sizes and temperatures interleaved. `verify_cost[j]` (v_j) is the (j + 1)-token pass
   over the plain step; for the result rows, v_k.
-- Tree modes (medusa, lookahead, draft-tree, mtp-tree): `draft_cost` is per level of the
-  tree drafted (`draft_tree()` timed), `target_pass_ms` also holds passes of 2k + 1 tokens (a
+- Tree modes (medusa, lookahead, draft-tree, mtp-tree, eagle3-tree): `draft_cost` is per level
+  of the tree drafted (`draft_tree()` timed), `target_pass_ms` also holds passes of 2k + 1 tokens (a
   two-branch tree of depth k and its root; lookahead's largest pass), `nodes_per_pass` is the
   mean of the tokens a tree round's pass scored, and `predicted_speedup` is left out (the chain
   model's v_k is not a tree's pass); `benchmarks/tree_prediction.py` applies the model to them.
@@ -131,14 +131,16 @@ MEDUSA = "medusa"  # Medusa heads: a tree verified in one pass (k: the tree's de
 LOOKAHEAD = "lookahead"  # lookahead decoding (k: the n-grams' length, at most N - 1 = 2)
 DRAFT_TREE = "draft-tree"  # the draft model's top 2 first tokens, each continued greedily
 MTP_TREE = "mtp-tree"  # the MTP head's top 2 first tokens, each continued by the head
+EAGLE3_TREE = "eagle3-tree"  # the EAGLE-3 head's dynamic tree (EAGLE-2), 2 paths grown a level
 EAGLE3 = "eagle3"  # an EAGLE-3 head over three target layers' features (the target's eagle3/)
 DFLASH = "dflash"  # a DFlash block drafter (the target's dflash/)
 ALL = "all"  # every drafter of the run as one group, chosen between each round (auto only)
 MODES = (
-    PLAIN, DRAFT_MODEL, NGRAM, MTP, EAGLE3, DFLASH, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, ALL,
+    PLAIN, DRAFT_MODEL, NGRAM, MTP, EAGLE3, DFLASH, MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE,
+    EAGLE3_TREE, ALL,
     PEER,
 )  # fmt: skip
-TREE_MODES = (MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE)
+TREE_MODES = (MEDUSA, LOOKAHEAD, DRAFT_TREE, MTP_TREE, EAGLE3_TREE)
 SPEC_MODES = (DRAFT_MODEL, NGRAM, MTP, EAGLE3, DFLASH, ALL)
 AUTO = "auto"
 SEED_STRIDE = 1000  # seed of prompt p in repeat r: seed + SEED_STRIDE * r + p
@@ -1023,12 +1025,14 @@ def _load(config: BenchConfig) -> _Loaded:
             )
     eagle = None
     local = Path(getattr(model, SOURCE_ATTR, model_path))
-    if _wants(config, EAGLE3) and (local / EAGLE3 / "config.json").is_file():
+    tree = config.modes is not None and EAGLE3_TREE in config.modes
+    wants_eagle = _wants(config, EAGLE3) or tree
+    if wants_eagle and (local / EAGLE3 / "config.json").is_file():
         eagle = mlx_spec.load_eagle3_drafter(str(local), model)
         ids = list(eagle.hidden_layers)
         header["eagle3"] = f"{_shown(local / EAGLE3)} (target layers {ids})"
-    elif config.modes is not None and EAGLE3 in config.modes:
-        raise ValueError(f"mode eagle3: {model_path} has no {EAGLE3}/ head")
+    elif config.modes is not None and {EAGLE3, EAGLE3_TREE} & set(config.modes):
+        raise ValueError(f"mode eagle3/eagle3-tree: {model_path} has no {EAGLE3}/ head")
     block = None
     if _wants(config, DFLASH) and (local / DFLASH / "config.json").is_file():
         block = mlx_spec.load_dflash_drafter(str(local), model)
@@ -1097,6 +1101,8 @@ def _drafters(config: BenchConfig, loaded: _Loaded) -> dict[str, Drafter]:
         out[DRAFT_TREE] = BranchingDraftModel(loaded.draft.model, width=2, max_depth=8)
     if config.modes is not None and MTP_TREE in config.modes and loaded.mtp is not None:
         out[MTP_TREE] = BranchingMTP(loaded.mtp.module, width=2, max_depth=8)
+    if config.modes is not None and EAGLE3_TREE in config.modes and loaded.eagle is not None:
+        out[EAGLE3_TREE] = BranchingMTP(loaded.eagle.module, width=2, max_depth=8, dynamic=True)
     return out
 
 
@@ -1227,7 +1233,7 @@ def _run(config: BenchConfig, loaded: _Loaded, say: Callable[[str], None]) -> Be
         cost_context = min(cost_context, min(limits) - longest_draft(config) - 2)
     sizes = set(range(1, longest_draft(config) + 2))
     for s in settings:  # tree passes: two-branch trees (2k nodes), lookahead's at most
-        if s.mode in (MEDUSA, DRAFT_TREE, MTP_TREE):
+        if s.mode in (MEDUSA, DRAFT_TREE, MTP_TREE, EAGLE3_TREE):
             sizes |= {2 * k + 1 for k in config.num_draft}
         elif s.mode == LOOKAHEAD:
             d, levels = s.drafter, s.drafter.ngram - 1

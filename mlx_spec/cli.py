@@ -11,7 +11,6 @@ import sys
 import mlx_spec
 from mlx_spec import _blas
 from mlx_spec.distill import KINDS, DistillConfig
-from mlx_spec.drafters.branching import BranchingMTP
 from mlx_spec.drafters.lookahead import LookaheadDrafter
 
 EPILOG = """examples:
@@ -69,6 +68,12 @@ def _add_generate(sub) -> None:
         "tokens each continued greedily, verified in one target pass",
     )
     p.add_argument(
+        "--dynamic-tree",
+        action="store_true",
+        help="with --branches B: EAGLE-2's dynamic tree instead: the B likeliest paths so far "
+        "grow B children each, level by level, and the B x depth likeliest are verified",
+    )
+    p.add_argument(
         "--tree-size",
         type=int,
         metavar="N",
@@ -106,19 +111,28 @@ def _drafter(args, model):
     if args.ngram:
         chosen.append("ngram")
     if args.draft_model and getattr(args, "branches", None):
-        chosen.append(mlx_spec.load_branching_drafter(args.draft_model, width=args.branches))
+        chosen.append(
+            mlx_spec.load_branching_drafter(
+                args.draft_model, width=args.branches, dynamic=args.dynamic_tree
+            )
+        )
     elif args.draft_model:
         chosen.append(mlx_spec.load_drafter(args.draft_model))
     if args.mtp is not None and getattr(args, "branches", None):
         path = args.mtp or args.model
-        chosen.append(mlx_spec.load_branching_mtp(path, model, width=args.branches))
+        chosen.append(
+            mlx_spec.load_branching_mtp(path, model, width=args.branches, dynamic=args.dynamic_tree)
+        )
     elif args.mtp is not None:
         chosen.append(mlx_spec.load_mtp_drafter(args.mtp, model) if args.mtp else "mtp")
     if args.assistant:
         chosen.append(mlx_spec.load_gemma4_assistant(args.assistant, model))
     if getattr(args, "eagle", None) and getattr(args, "branches", None):
-        head = mlx_spec.load_eagle3_drafter(args.eagle, model).module
-        chosen.append(BranchingMTP(head, width=args.branches))
+        chosen.append(
+            mlx_spec.load_eagle3_tree(
+                args.eagle, model, width=args.branches, dynamic=args.dynamic_tree
+            )
+        )
     elif getattr(args, "eagle", None):
         chosen.append(mlx_spec.load_eagle3_drafter(args.eagle, model))
     if getattr(args, "dflash", None):
@@ -348,6 +362,14 @@ def _add_distill(sub) -> None:
         "drafter learns what the target itself writes (default 0)",
     )
     p.add_argument(
+        "--target-batch",
+        type=int,
+        default=16,
+        metavar="ROWS",
+        help="with --target-tokens: rows the target continues at once (default 16; a GPU "
+        "writes them much faster with 256)",
+    )
+    p.add_argument(
         "--init",
         metavar="DIR",
         help="train this drafter further (a directory distill or convert wrote; its size "
@@ -404,6 +426,7 @@ def cmd_distill(args) -> int:
         holdout_paths=tuple(args.holdout),
         generate=args.generate_tokens,
         target_tokens=args.target_tokens,
+        target_batch=args.target_batch,
         init=args.init,
         force=args.force,
     )
@@ -460,7 +483,7 @@ def _add_bench(sub) -> None:
         help="comma-separated subset of plain,draft-model,ngram,mtp,eagle3,dflash,all,mlx-lm "
         "(default: "
         "all); "
-        "tree modes, run only when named: medusa,lookahead,draft-tree,mtp-tree",
+        "tree modes, run only when named: medusa,lookahead,draft-tree,mtp-tree,eagle3-tree",
     )
     p.add_argument("--num-draft", help="k sweep, comma-separated (default 1,2,4,8)")
     p.add_argument(

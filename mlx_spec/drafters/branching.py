@@ -1,6 +1,7 @@
 """Drafters proposing a tree: their top candidates at the first position, each continued by
-its own greedy chain. Two kinds: a small draft model, and an MTP head (fed the target's hidden
-states, and its own output hidden state down each branch).
+its own greedy chain, or (`dynamic`) EAGLE-2's dynamic tree, grown where the drafter is most
+confident. Two kinds: a small draft model, and an MTP head or EAGLE-3 head (fed the target's
+hidden states, and its own output hidden state down each branch).
 
 The drafting network runs on its own one-row `TreeTarget`, so each drafting pass scores the
 whole partial tree (every branch sees only its own ancestors); the pass's columns are dropped
@@ -12,7 +13,7 @@ temperature.
 from __future__ import annotations
 
 from mlx_spec.models.mtp import MTPModule, target_hidden_size
-from mlx_spec.sampling import SamplingConfig
+from mlx_spec.sampling import SamplingConfig, logits_to_probs, sample
 from mlx_spec.tree import PREFILL_STEP, TokenTree, TreeDrafter, TreeTarget
 
 import mlx.core as mx
@@ -21,13 +22,13 @@ import mlx.nn as nn
 
 class _Branching(TreeDrafter):
     """The tree grown level by level: `width` candidates under the root, one under every other
-    leaf. Subclasses feed the network (`_feed_unfed`) and say what each pass takes beside the
-    tokens (`_fed`)."""
+    leaf; or, `dynamic`, EAGLE-2's tree (`_draft_dynamic`). Subclasses feed the network
+    (`_feed_unfed`) and say what each pass takes beside the tokens (`_fed`)."""
 
-    def __init__(self, width: int, max_depth: int):
+    def __init__(self, width: int, max_depth: int, dynamic: bool = False):
         if width < 1 or max_depth < 1:
             raise ValueError(f"width and max_depth must be >= 1, got {width}, {max_depth}")
-        self.width, self.max_depth = width, max_depth
+        self.width, self.max_depth, self.dynamic = width, max_depth, dynamic
         self.runner: TreeTarget | None = None
         self.pending: int | None = None
 
@@ -43,11 +44,19 @@ class _Branching(TreeDrafter):
         return None
 
     def draft_tree(self, depth: int, vocab_size: int, sampling: SamplingConfig) -> TokenTree:
-        """Every level's pass is queued on the tokens the one before chose, unread: one
-        synchronisation per tree, when its tokens are read at the end."""
+        """Greedy: the best candidates (one-hot for the verifier). Sampling: `width` draws
+        from the drafter's distribution at the root and one draw under every other leaf, each
+        node with the distribution it was drawn from, so the multi-candidate rule accepts at
+        least what a sampled chain would (chosen candidates would be accepted only with the
+        target's probability of each). Every level's pass is queued on the tokens the one
+        before chose, unread: one synchronisation per tree, when its tokens are read at the
+        end (the dynamic tree, greedy only, ranks every level)."""
         if self.pending is None:
             return TokenTree([], [])
         self._feed_unfed()
+        if self.dynamic and sampling.greedy:
+            return self._draft_dynamic(depth, vocab_size)
+        drawn = None if sampling.greedy else []  # the distributions the nodes were drawn from
         nodes = mx.zeros((0,), mx.uint32)
         parents: list[int] = []
         leaves = [-1]  # the nodes each next level grows from (-1: the root)
@@ -60,7 +69,13 @@ class _Branching(TreeDrafter):
             feedback = self._feedback()
             rows = logits[mx.array([leaf + 1 for leaf in leaves]), :vocab_size]
             self.runner.settle_none()
-            if level == 0:  # the root's best `width`, best first
+            if drawn is not None:
+                q = logits_to_probs(rows, sampling)
+                if level == 0:  # `width` independent draws at the root
+                    q = mx.repeat(q, self.width, axis=0)
+                new, grown = sample(q), [-1] * self.width if level == 0 else leaves
+                drawn.append(q)
+            elif level == 0:  # the root's best `width`, best first
                 width = min(self.width, vocab_size)
                 top = mx.argpartition(-rows[0], kth=width - 1)[:width]
                 new, grown = top[mx.argsort(-rows[0][top])], [-1] * width
@@ -69,20 +84,73 @@ class _Branching(TreeDrafter):
             nodes = mx.concatenate([nodes, new.astype(mx.uint32)])
             leaves = list(range(len(parents), len(parents) + len(grown)))
             parents += grown
-        return TokenTree(nodes.tolist(), parents)
+        return TokenTree(nodes.tolist(), parents, None if drawn is None else mx.concatenate(drawn))
+
+    def _draft_dynamic(self, depth: int, vocab_size: int) -> TokenTree:
+        """EAGLE-2's dynamic tree. A candidate's score is its path's log-probability under the
+        drafter (the sum from the root). Each level, the `width` best candidates of the level
+        before are expanded (fed to the drafter, one pass for them all), each proposing its
+        `width` most likely children; the tree is the `width * depth` best candidates of all
+        (the size of the static tree), in which every ancestor of a node scores at least what
+        the node does, so they form a tree. One synchronisation per level, to rank."""
+        k = min(self.width, vocab_size)
+        tokens: list[int] = []  # every candidate, in the order proposed (breadth first)
+        parents: list[int] = []  # the candidate each was proposed under (-1: the root)
+        scores: list[float] = []
+        fed: list[int] = []  # the expanded candidates: the tree each drafting pass scores
+        fed_parents: list[int] = []  # ... its shape (indices into `fed`; -1: the root)
+        expand = [(-1, -1, 0.0)]  # (index in `fed`, candidate, score) of the nodes to expand
+        feedback = None
+        for level in range(depth):
+            shape = TokenTree(fed, fed_parents)
+            logits, _ = self.runner.score_graph(
+                self.pending,
+                mx.array(fed, mx.uint32),
+                shape.depths,
+                shape.ancestors(),
+                self._fed(fed_parents, feedback),
+            )
+            feedback = self._feedback()
+            rows = logits[mx.array([node + 1 for node, _, _ in expand]), :vocab_size]
+            self.runner.settle_none()
+            rows = rows.astype(mx.float32)
+            logp = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+            top = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k]
+            ids, lps = top.tolist(), mx.take_along_axis(logp, top, axis=-1).tolist()
+            level_start = len(tokens)
+            for (_, candidate, score), row, row_lp in zip(expand, ids, lps, strict=True):
+                for lp, token in sorted(zip(row_lp, row, strict=True), reverse=True):
+                    tokens.append(token)  # best child first
+                    parents.append(candidate)
+                    scores.append(score + lp)
+            if level == depth - 1:
+                break
+            new = sorted(range(level_start, len(tokens)), key=lambda c: -scores[c])[: self.width]
+            feeds = {candidate: node for node, candidate, _ in expand}
+            expand = []
+            for c in sorted(new):  # proposal order keeps the expanded tree breadth first
+                fed.append(tokens[c])
+                fed_parents.append(feeds[parents[c]])
+                expand.append((len(fed) - 1, c, scores[c]))
+        # ties go to the earlier candidate, so a parent always ranks before its children
+        keep = sorted(sorted(range(len(tokens)), key=lambda c: (-scores[c], c))[: k * depth])
+        index = {c: i for i, c in enumerate(keep)}
+        return TokenTree([tokens[c] for c in keep], [index.get(parents[c], -1) for c in keep])
 
 
 class BranchingDraftModel(_Branching):
     """Args:
     model: the draft model (the target's tokenizer).
-    width: candidates at the first position.
+    width: candidates at the first position (dynamic: candidates expanded per level, and
+        children each proposes).
     max_depth: the deepest tree drafted.
+    dynamic: EAGLE-2's dynamic tree instead of the best first tokens' chains.
     """
 
     name = "draft-tree"
 
-    def __init__(self, model: nn.Module, width: int = 2, max_depth: int = 4):
-        super().__init__(width, max_depth)
+    def __init__(self, model: nn.Module, width: int = 2, max_depth: int = 4, dynamic: bool = False):
+        super().__init__(width, max_depth, dynamic)
         self.model = model
 
     def begin(self, prompt: list[int], hidden) -> None:
@@ -111,15 +179,19 @@ class BranchingMTP(_Branching):
 
     Args:
         module: the MTP module (e.g. `load_mtp_drafter(...).module`), built on its target.
-        width: candidates at the first position.
+        width: candidates at the first position (dynamic: candidates expanded per level, and
+            children each proposes).
         max_depth: the deepest tree drafted.
+        dynamic: EAGLE-2's dynamic tree instead of the best first tokens' chains.
     """
 
     name = "mtp-tree"
     needs_hidden = True
 
-    def __init__(self, module: MTPModule, width: int = 2, max_depth: int = 4):
-        super().__init__(width, max_depth)
+    def __init__(
+        self, module: MTPModule, width: int = 2, max_depth: int = 4, dynamic: bool = False
+    ):
+        super().__init__(width, max_depth, dynamic)
         self.module = module
         cfg = getattr(module, "cfg", None)  # an EAGLE-3 head: the layers it reads
         if cfg is not None:
