@@ -27,13 +27,36 @@ def target_dir(tmp_path_factory):
     return tm.write_checkpoint(root / "target", config, tm.random_weights(config, 3, scale=0.7))
 
 
+TEXT = 8000  # tokens of the target's own text every run here trains on
+
+
+@pytest.fixture(scope="module", autouse=True)
+def target_writes_once():
+    """The target writes its text once: every run here distills the same target with the same
+    seed, and `generate_tokens` is deterministic, so each later run gets exactly the tokens it
+    would have written itself (a run still goes through its own data cache and resume)."""
+    import mlx_spec.distill as distill
+
+    original, written = distill.generate_tokens, {}
+
+    def once(model, tokenizer, count, seed, **kwargs):
+        key = (count, seed, tuple(sorted(kwargs.items())))
+        if key not in written:
+            written[key] = original(model, tokenizer, count, seed, **kwargs)
+        return written[key].copy()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distill, "generate_tokens", once)
+        yield
+
+
 @pytest.mark.parametrize("kind", ["draft-model", "mtp", "medusa", "eagle3", "dflash"])
 def test_distill_moves_the_drafter_towards_the_target(target_dir, tmp_path, kind):
     """On text the target writes, 80 steps cut the held-out KL and raise the acceptance rate at
     temperature 1; the drafter written loads and decodes losslessly."""
     out = tmp_path / kind
     config = DistillConfig(kind=kind, steps=80, checkpoint_every=20, **SMALL)
-    report = run_distill(str(target_dir), str(out), config, generate=8000, progress=False)
+    report = run_distill(str(target_dir), str(out), config, generate=TEXT, progress=False)
     before, after = report["before"], report["after"]
     assert report["steps"] == 80
     assert after["heldout_kl"] < 0.6 * before["heldout_kl"]
@@ -69,7 +92,7 @@ def test_interrupted_run_resumes_to_the_same_result(target_dir, tmp_path, monkey
     untrained drafter's scores that the first run measured."""
     config = DistillConfig(kind=kind, steps=30, checkpoint_every=10, **SMALL)
     whole = tmp_path / "whole"
-    first = run_distill(str(target_dir), str(whole), config, generate=4000, progress=False)
+    first = run_distill(str(target_dir), str(whole), config, generate=TEXT, progress=False)
 
     original, calls = Distiller.step, {"n": 0}
 
@@ -82,11 +105,11 @@ def test_interrupted_run_resumes_to_the_same_result(target_dir, tmp_path, monkey
     resumed = tmp_path / "resumed"
     monkeypatch.setattr(Distiller, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_distill(str(target_dir), str(resumed), config, generate=4000, progress=False)
+        run_distill(str(target_dir), str(resumed), config, generate=TEXT, progress=False)
     state = json.loads((resumed / CHECKPOINT / "state.json").read_text())
     assert state["step"] == 13
     monkeypatch.setattr(Distiller, "step", original)
-    report = run_distill(str(target_dir), str(resumed), config, generate=4000, progress=False)
+    report = run_distill(str(target_dir), str(resumed), config, generate=TEXT, progress=False)
     assert report["steps"] == 30
     assert report["before"] == first["before"] and report["before"] is not None
     assert not any(p.name.startswith(".distill") for p in resumed.iterdir())

@@ -257,10 +257,11 @@ DIST = SamplingConfig(temperature=1.0, top_k=3)
 
 def test_distribution_with_a_reduced_draft_vocabulary(target, heads):
     """Temperature 1, top-k 3: the first three tokens with the EAGLE-3 head (k = 2), whose q is
-    zero outside its half of the vocabulary, follow the target's exact distribution."""
+    zero outside its half of the vocabulary, follow the target's exact distribution. 500
+    samples: a verifier that recovers from p instead of the residual gives p ~ 1e-15 here."""
     model, tok, _, _ = target
     drafter = load_eagle3_drafter(heads["eagle3"][0], model)
-    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 1500)
+    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 500)
     assert chisquare_pvalue(samples, exact_first_tokens(model, PROMPT, DIST, hfm.VOCAB)) > 1e-3
 
 

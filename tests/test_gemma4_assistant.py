@@ -383,6 +383,9 @@ def small(tmp_path_factory):
 
 
 DIST_CONFIG = SamplingConfig(temperature=1.0, top_k=3)
+# Samples per test; the negative controls below use as many, so they show the power the test
+# has: the subtle one (recovery from p instead of the residual) gives p ~ 1e-13 at 750.
+RUNS = 750
 
 
 def exact_three_tokens(model, vocab: int) -> dict:
@@ -415,10 +418,10 @@ def three_token_samples(model, tok, drafter, runs: int) -> list:
 
 
 def test_three_token_distribution_matches_target(small):
-    """The first three tokens follow the target's exact distribution (chi-square over 1500
+    """The first three tokens follow the target's exact distribution (chi-square over RUNS
     samples)."""
     model, tok, drafter = small
-    samples = three_token_samples(model, tok, drafter, 1500)
+    samples = three_token_samples(model, tok, drafter, RUNS)
     expected = exact_three_tokens(model, tm.tokenizer_size(ALPHABET))
     assert chisquare_pvalue(samples, expected) > 1e-3
 
@@ -430,7 +433,7 @@ def test_negative_controls_fail(small, monkeypatch, control):
     distribution instead of the residual."""
     model, tok, drafter = small
     monkeypatch.setattr(*NEGATIVE_CONTROLS[control])
-    samples = three_token_samples(model, tok, drafter, 1500)
+    samples = three_token_samples(model, tok, drafter, RUNS)
     expected = exact_three_tokens(model, tm.tokenizer_size(ALPHABET))
     assert chisquare_pvalue(samples, expected) < 1e-3
 

@@ -258,7 +258,7 @@ class SampledTree(TreeDrafter):
 
 
 def test_three_token_distribution_with_trees(pair):  # noqa: F811
-    """Chi-square of 2000 tree-speculative samples (depth 2, two branches drawn from the draft
+    """Chi-square of RUNS tree-speculative samples (depth 2, two branches drawn from the draft
     model with their distributions) against the exact target distribution of the first three
     tokens (chosen branches, q one-hot, are tested through lookahead decoding below)."""
     model, tok, draft, _ = pair
