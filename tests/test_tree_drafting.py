@@ -121,3 +121,16 @@ def test_sampled_trees_keep_the_target_distribution(pair):  # noqa: F811
     make = lambda: BranchingDraftModel(draft, width=2, max_depth=2, dynamic=True)  # noqa: E731
     samples = sampled(model, tok, make, config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
+
+
+def test_sampled_tree_negative_control_fails(pair, monkeypatch):  # noqa: F811
+    """Trying the second drawn candidate against p itself instead of the residual after the
+    first is rejected changes the distribution, and the test above sees it."""
+    import mlx_spec.tree as tree_module
+
+    model, tok, draft, _ = pair
+    monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)
+    config = CONFIGS[0]
+    make = lambda: BranchingDraftModel(draft, width=2, max_depth=2)  # noqa: E731
+    samples = sampled(model, tok, make, config)
+    assert chisquare_pvalue(samples, exact_distribution(model, config)) < ALPHA

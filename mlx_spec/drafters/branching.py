@@ -5,9 +5,9 @@ hidden states, and its own output hidden state down each branch).
 
 The drafting network runs on its own one-row `TreeTarget`, so each drafting pass scores the
 whole partial tree (every branch sees only its own ancestors); the pass's columns are dropped
-afterwards and the cache keeps only the verified sequence. The candidates are chosen, not
-sampled, so the verifier treats them as one-hot: the output stays exactly the target's at any
-temperature.
+afterwards and the cache keeps only the verified sequence. Greedy, the candidates are
+chosen (one-hot for the verifier); sampling, they are drawn from the drafter and carry its
+distribution. Either way the output stays exactly the target's.
 """
 
 from __future__ import annotations
