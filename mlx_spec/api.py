@@ -11,12 +11,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_spec import distributed
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import dflash as dflash_drafter
 from mlx_spec.drafters import eagle3 as eagle3_drafter
 from mlx_spec.drafters import mtp as mtp_drafter
-from mlx_spec.drafters.base import Drafter, hidden_wanted, unique_id
+from mlx_spec.drafters.base import Drafter, hidden_layer_ids, hidden_wanted, unique_id
 from mlx_spec.drafters.branching import BranchingDraftModel, BranchingMTP
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
@@ -73,7 +74,13 @@ def _resolve_path(path_or_hub_id: str) -> str:
     return path_or_hub_id
 
 
-def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+def load(
+    path_or_hub_id: str,
+    *,
+    revision: str | None = None,
+    shard: str | None = None,
+    group: mx.distributed.Group | None = None,
+) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an MLX model directory or Hugging Face hub id with mlx-lm.
 
     On the CPU device floating-point weights are cast to float32 (the only fast CPU matmul).
@@ -81,12 +88,20 @@ def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module
     Args:
         path_or_hub_id: a local directory or `org/name` on the hub.
         revision: hub revision (branch, tag or commit).
+        shard: in a distributed run (`mlx.launch`), split the target over the ranks: "tensor",
+            "pipeline" or "auto" (tensor parallel where the architecture allows it); each rank
+            reads only its part of the weights. None: load the whole model.
+        group: the ranks to shard over (default: the group this process was launched in).
     Returns:
         (model, tokenizer)
     """
     from mlx_lm.utils import load as mlx_lm_load
 
     local = _local_dir(_resolve_path(path_or_hub_id), revision)
+    if shard is not None:
+        group = group if group is not None else distributed.world()
+        if group is not None and group.size() > 1:
+            return _load_sharded(path_or_hub_id, local, shard, group)
     try:
         with quiet_transformers():
             model, tokenizer = mlx_lm_load(str(local))
@@ -96,6 +111,32 @@ def load(path_or_hub_id: str, *, revision: str | None = None) -> tuple[nn.Module
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     object.__setattr__(model, SOURCE_ATTR, local)  # so drafter="mtp" finds <dir>/mtp
+    return model, tokenizer
+
+
+def _load_sharded(name: str, local: Path, mode: str, group) -> tuple[nn.Module, TokenizerWrapper]:
+    """The target split over `group`, its unsharded lazy twin kept beside it for drafters
+    that borrow a layer, the embedding or the head (`distributed.whole`)."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    try:
+        with quiet_transformers():
+            model, config = load_model(local, lazy=True)
+            twin, _ = load_model(local, lazy=True)
+            tokenizer = load_tokenizer(local, eos_token_ids=config.get("eos_token_id", None))
+    except (FileNotFoundError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{name}: cannot load model: {exc}") from exc
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+        twin.set_dtype(mx.float32)
+    distributed.check_same(group, distributed.fingerprint(local, twin), "model")
+    used = distributed.shard_target(model, group, mode)
+    mx.eval(model.parameters())
+    for m in (model, twin):
+        object.__setattr__(m, SOURCE_ATTR, local)
+    object.__setattr__(model, distributed.UNSHARDED_ATTR, twin)
+    object.__setattr__(model, distributed.SHARDING_ATTR, distributed.Sharding(group, used))
+    distributed.barrier(group)
     return model, tokenizer
 
 
@@ -143,7 +184,7 @@ def load_mtp_drafter(path: str, model: nn.Module) -> Drafter:
         path: the drafter directory, or the converted target directory holding it in `mtp/`.
         model: the target, loaded.
     """
-    return mtp_drafter.load_mtp_drafter(path, model)
+    return mtp_drafter.load_mtp_drafter(path, distributed.whole(model))
 
 
 def load_medusa_drafter(
@@ -182,14 +223,14 @@ def load_eagle3_drafter(path: str, model: nn.Module) -> Drafter:
     """Load an EAGLE-3 head for `model`: the EAGLE repository's layout, the speculators
     format, or one converted by `mlx-spec convert` (a directory, or a converted target
     holding it in `eagle3/`). Its target layers, hidden size and vocabulary are checked."""
-    return eagle3_drafter.load_eagle3_drafter(path, model)
+    return eagle3_drafter.load_eagle3_drafter(path, distributed.whole(model))
 
 
 def load_dflash_drafter(path: str, model: nn.Module) -> Drafter:
     """Load a DFlash block drafter for `model`: z-lab's layout, the speculators format, or
     one converted by `mlx-spec convert` (a directory, or a converted target holding it in
     `dflash/`). Its tapped layers, width and mask token are checked against the target."""
-    return dflash_drafter.load_dflash_drafter(path, model)
+    return dflash_drafter.load_dflash_drafter(path, distributed.whole(model))
 
 
 def load_branching_mtp(
@@ -198,7 +239,7 @@ def load_branching_mtp(
     """Load the MTP head converted beside `model` as a tree drafter: its `width` best
     candidates after the pending token, each continued by the head's own greedy chain, or
     with `dynamic` EAGLE-2's dynamic tree (`width` candidates expanded per level)."""
-    module = mtp_drafter.load_mtp_drafter(path, model).module
+    module = mtp_drafter.load_mtp_drafter(path, distributed.whole(model)).module
     return BranchingMTP(module, width=width, max_depth=max_depth, dynamic=dynamic)
 
 
@@ -208,7 +249,7 @@ def load_eagle3_tree(
     """Load an EAGLE-3 head (as `load_eagle3_drafter` does) as a tree drafter: by default
     EAGLE-2's dynamic tree, `width` candidates expanded per level, each proposing its `width`
     best children, the `width * depth` likeliest paths verified in one target pass."""
-    module = eagle3_drafter.load_eagle3_drafter(path, model).module
+    module = eagle3_drafter.load_eagle3_drafter(path, distributed.whole(model)).module
     return BranchingMTP(module, width=width, max_depth=max_depth, dynamic=dynamic)
 
 
@@ -370,11 +411,20 @@ def stream_generate(
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     _check_settings(num_draft, max_tokens, max_draft)
     tokenizer = wrap_tokenizer(tokenizer)
-    vocab = scored_vocab(model, tokenizer)
+    whole = distributed.whole(model)  # a sharded target's unsharded (lazy) twin
+    vocab = scored_vocab(whole, tokenizer)
     ids = checked_prompt(tokenizer, prompt, vocab)
-    drafter = _resolve_drafter(drafter, model)
+    drafter = _resolve_drafter(drafter, whole)
     if num_draft == 0:
         drafter = None
+    sync = distributed.sync_for(model)
+    if isinstance(drafter, TreeDrafter) and sync is not None:
+        warnings.warn(
+            f"a sharded target verifies chains only: {drafter.name} drafts chains (its first "
+            "candidates) instead",
+            stacklevel=2,
+        )
+        drafter = TreeAsChain(drafter)
     if isinstance(drafter, TreeDrafter) and (reason := tree_unsupported(model)) is not None:
         warnings.warn(
             f"{reason}: {drafter.name} drafts chains (its first candidates) instead", stacklevel=2
@@ -401,7 +451,8 @@ def stream_generate(
         )
         return
     if drafter is not None:
-        drafter.check_compatible(model, tokenizer, vocab)
+        drafter.check_compatible(whole, tokenizer, vocab)
+        distributed.check_layers_local(model, hidden_layer_ids(drafter), drafter.name)
     target = ModelRunner(
         model,
         vocab,
@@ -409,6 +460,9 @@ def stream_generate(
         keep_hidden=hidden_wanted(drafter),
     )
     check_fits(ids, target)
+    if sync is not None:  # every rank draws the same random numbers
+        seed = sync.shared_seed(seed)
+        stats.world_size = sync.size
     if seed is not None:
         mx.random.seed(seed)
     policy = None
@@ -507,10 +561,25 @@ def decode(
             stats=stats,
             trace=trace,
         )
+    if target.sync is not None:
+        rounds = _counting_comm(rounds, target.sync.ledger, stats)
     try:
         yield from _emit(rounds, tokenizer, stats, stop, max_tokens)
     finally:
         stats.replays += _replays(target, drafter) - replays
+
+
+def _counting_comm(rounds: Iterator[Round], ledger, stats: SpecStats) -> Iterator[Round]:
+    """`rounds`, with the collectives they build (a sharded target's) added to the stats when
+    they end (before the final chunk carries the stats)."""
+    with ledger.counting() as counted:
+        try:
+            yield from rounds
+        finally:
+            rounds.close()
+            collectives, nbytes = counted()
+            stats.comm_collectives += collectives
+            stats.comm_seconds += ledger.price(collectives, nbytes)
 
 
 def _replays(target: ModelRunner, drafter: Drafter | None) -> int:

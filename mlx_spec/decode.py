@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mlx_spec.drafters.base import Drafter
-from mlx_spec.policy import DraftPolicy
+from mlx_spec.policy import Choice, DraftPolicy, FixedDraftLength
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig, logits_to_probs, pick
 from mlx_spec.stats import SpecStats
@@ -41,9 +41,10 @@ def room_left(runner: ModelRunner) -> int | None:
     return runner.context_limit - runner.length - 1
 
 
-def _make_sampler(sampling: SamplingConfig, vocab_size: int):
+def _make_sampler(sampling: SamplingConfig, vocab_size: int, sync=None):
     def sampler(logprobs: mx.array) -> mx.array:  # [1, padded_vocab] -> [1]
-        return pick(logprobs[..., :vocab_size], sampling)
+        token = pick(logprobs[..., :vocab_size], sampling)
+        return token if sync is None else sync.share(token)  # rank 0's token on every rank
 
     return sampler
 
@@ -69,7 +70,7 @@ def plain_rounds(
         mx.array([last], mx.uint32),
         target.model,
         max_tokens=budget,
-        sampler=_make_sampler(sampling, target.vocab_size),
+        sampler=_make_sampler(sampling, target.vocab_size, target.sync),
         prompt_cache=target.cache,
     )
     tic = time.perf_counter()
@@ -92,10 +93,20 @@ def draft_budget(num_draft: int, remaining: int, target: ModelRunner) -> int:
     return max(k, 0)
 
 
-def _verify(logits: mx.array, draft, sampling: SamplingConfig):
+def _verify(logits: mx.array, tokens: mx.array, draft_probs, sampling: SamplingConfig):
     if sampling.greedy:
-        return greedy_verify(logits, draft.tokens)
-    return rejection_verify(logits_to_probs(logits, sampling), draft.probs, draft.tokens)
+        return greedy_verify(logits, tokens)
+    return rejection_verify(logits_to_probs(logits, sampling), draft_probs, tokens)
+
+
+def _share_outcome(sync, num_accepted: mx.array, next_token: mx.array):
+    """Rank 0's accepted count and next token on every rank (one collective), so that every
+    rank of a sharded target keeps the same tokens and rolls back by the same amount."""
+    if sync is None:
+        return num_accepted, next_token
+    both = mx.stack([num_accepted.astype(mx.int32), next_token.reshape(()).astype(mx.int32)])
+    both = sync.share(both)
+    return both[0], both[1]
 
 
 class _Decoder:
@@ -139,14 +150,17 @@ class _Decoder:
         self._mark("drafting", draft.tokens, draft.probs)
         drafted = draft.tokens.size
         target.checkpoint(drafted + 1, single_call=True)
-        inputs = mx.concatenate([mx.array([self.last], mx.uint32), draft.tokens.astype(mx.uint32)])
-        num_accepted, next_token = _verify(target(inputs), draft, sampling)
+        sync = target.sync  # a sharded target: every rank verifies rank 0's drafts
+        proposed = draft.tokens if sync is None or not drafted else sync.share(draft.tokens)
+        inputs = mx.concatenate([mx.array([self.last], mx.uint32), proposed.astype(mx.uint32)])
+        num_accepted, next_token = _verify(target(inputs), proposed, draft.probs, sampling)
+        num_accepted, next_token = _share_outcome(sync, num_accepted, next_token)
         hidden = target.last_hidden if drafter.needs_hidden else None  # before any replay
         self._mark("building the verify graph")
-        mx.eval(num_accepted, next_token, draft.tokens)
+        mx.eval(num_accepted, next_token, proposed)
         self._mark("target pass + verification")
         n = num_accepted.item()
-        tokens = draft.tokens.tolist()[:n] + [next_token.item()]
+        tokens = proposed.tolist()[:n] + [next_token.item()]
         rnd = Round(tokens, drafted, n, time.perf_counter() - start)
         self._mark("reading the result")
         try:
@@ -209,6 +223,8 @@ class _Decoder:
         """Queue one pass over `[1]` token: (`[1]` next id, `[1, T]` hidden at its position)."""
         self.target.checkpoint(1, single_call=True)
         nxt = pick(self.target(token), self.sampling)
+        if self.target.sync is not None:
+            nxt = self.target.sync.share(nxt)
         hidden = self.target.last_hidden[-1:] if self.drafter.needs_hidden else None
         mx.async_eval(nxt)
         return nxt, hidden
@@ -242,6 +258,12 @@ def speculative_rounds(
             phases.start()
         limit = draft_budget(policy.max_draft, max_tokens - run.produced, target)
         choice = policy.choose(limit, drafter.arms_available(limit))
+        if target.sync is not None and not isinstance(policy, FixedDraftLength):
+            # a measuring policy decides on each rank's own clock: rank 0's choice holds
+            arm, num_draft, plain = target.sync.share_ints(
+                [choice.arm, choice.num_draft, choice.plain_tokens]
+            )
+            choice = Choice(arm, num_draft, plain)
         if choice.plain_tokens:
             yield from run.plain_stretch(choice.plain_tokens)
         else:

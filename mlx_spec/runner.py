@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 
+from mlx_spec import distributed
 from mlx_spec.cache import (
     CacheRollback,
     PrefixSnapshot,
@@ -65,6 +66,7 @@ class ModelRunner:
         self.length = 0  # tokens in the cache
         self._fed: list[tuple[mx.array, mx.array | None]] = []
         self.replays = 0
+        self.sync = distributed.sync_for(model)  # a sharded target's rank-0 sharing, else None
 
     def _forward(self, tokens: mx.array, hidden: mx.array | None) -> mx.array:
         if hidden is None:

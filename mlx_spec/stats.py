@@ -39,6 +39,11 @@ class SpecStats:
     # drafter (with a drafter group, which drafter drafted them).
     k_histogram: dict[int, int] = field(default_factory=dict)
     drafter_rounds: dict[str, int] = field(default_factory=dict)
+    # A target sharded over several processes: how many, and the collectives of the decode
+    # (counted as each pass's graph is built, priced by a probe over the same group).
+    world_size: int = 1
+    comm_collectives: int = 0
+    comm_seconds: float = 0.0
 
     def observe_choice(self, drafter: str | None, k: int) -> None:
         """A round asked `drafter` for k drafts (None, 0: a plain decoding step)."""
@@ -107,6 +112,10 @@ class SpecStats:
         return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
+    def comm_seconds_per_pass(self) -> float:
+        return self.comm_seconds / self.target_passes if self.target_passes else 0.0
+
+    @property
     def decode_tokens_per_sec(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
@@ -141,12 +150,18 @@ class SpecStats:
             "replays": self.replays,
             "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
             "drafter_rounds": dict(self.drafter_rounds),
+            "world_size": self.world_size,
+            "comm_collectives": self.comm_collectives,
+            "comm_seconds": self.comm_seconds,
+            "comm_seconds_per_pass": self.comm_seconds_per_pass,
         }
 
 
 def merge_stats(runs: Sequence[SpecStats]) -> SpecStats:
     """Counters of several generations added up (per position, rounds, tokens, seconds)."""
-    out = SpecStats(drafter=runs[0].drafter, num_draft=runs[0].num_draft)
+    out = SpecStats(
+        drafter=runs[0].drafter, num_draft=runs[0].num_draft, world_size=runs[0].world_size
+    )
     width = max(len(s.drafted_per_position) for s in runs)
     out.drafted_per_position = [0] * width
     out.accepted_per_position = [0] * width
@@ -163,6 +178,8 @@ def merge_stats(runs: Sequence[SpecStats]) -> SpecStats:
         out.prefill_seconds += s.prefill_seconds
         out.decode_seconds += s.decode_seconds
         out.rollback_seconds += s.rollback_seconds
+        out.comm_collectives += s.comm_collectives
+        out.comm_seconds += s.comm_seconds
         for k, n in s.k_histogram.items():
             out.k_histogram[k] = out.k_histogram.get(k, 0) + n
         for name, n in s.drafter_rounds.items():

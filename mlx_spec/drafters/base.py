@@ -142,6 +142,13 @@ class Drafter(ABC):
         positions whose next token is each emitted token."""
 
 
+def hidden_layer_ids(drafter) -> tuple[int, ...]:
+    """The target layers whose features `drafter` reads (`hidden.LayerFeatures` numbering;
+    empty when it reads none or only the final hidden state)."""
+    wanted = hidden_wanted(drafter)
+    return wanted if isinstance(wanted, tuple) else ()
+
+
 def hidden_wanted(drafter) -> bool | tuple[int, ...]:
     """What a target runner must record for `drafter` (`ModelRunner(keep_hidden=...)`)."""
     if drafter is None or not drafter.needs_hidden:

@@ -1,0 +1,399 @@
+"""A target sharded over several processes with `mx.distributed` (MLX's ring, JACCL or MPI
+backends, started by `mlx.launch`).
+
+Every rank runs the same decode loop on its shard of the target (tensor parallel: every layer
+split across ranks; pipeline parallel: each rank a stretch of layers) and the same replicated
+drafter. The collectives inside the target's forward pass leave the logits and final hidden
+states equal on every rank; what could still differ between ranks (a policy's choice, which
+rests on each rank's own clock; a random draw) is decided on rank 0 and shared, so every rank
+feeds the same drafts, accepts the same count and rolls back by the same amount:
+
+- `Sync.share` (inside the graph, no extra synchronisation): the drafts before the target pass,
+  the accepted count and next token after it, each plain step's token;
+- `Sync.share_ints` (one small collective, evaluated): the round's choice and the seed.
+
+Communication is accounted for by `CommLedger`: the collectives of every pass are counted as
+the graph is built (the `mx.distributed` functions are wrapped once per process), and each is
+priced by a probe of the same size over the same group, timed at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+SHARD_MODES = ("auto", "tensor", "pipeline")
+SHARDING_ATTR = "_mlx_spec_sharding"  # on a sharded target: its `Sharding`
+UNSHARDED_ATTR = "_mlx_spec_unsharded"  # on a sharded target: the whole (lazy) model
+_LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
+
+
+class DistributedError(RuntimeError):
+    """A distributed run cannot go on (a rank is gone, ranks disagree)."""
+
+
+def launched() -> bool:
+    """Whether this process was started by a distributed launcher (`mlx.launch`, mpirun)."""
+    return any(name in os.environ for name in _LAUNCH_VARS)
+
+
+def world() -> mx.distributed.Group | None:
+    """The group of processes this one was launched with, or None when it runs alone."""
+    if not launched():
+        return None
+    try:
+        group = mx.distributed.init(strict=True)
+    except RuntimeError as exc:
+        raise DistributedError(f"cannot join the distributed group: {exc}") from exc
+    return group if group.size() > 1 else None
+
+
+@dataclass
+class Sharding:
+    """How a target was split: the group, and "tensor" or "pipeline"."""
+
+    group: mx.distributed.Group
+    mode: str
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+
+def sharding_of(model: nn.Module) -> Sharding | None:
+    """The sharding of a target loaded with `mlx_spec.load(..., shard=...)`, else None."""
+    return getattr(model, SHARDING_ATTR, None)
+
+
+def whole(model: nn.Module) -> nn.Module:
+    """The unsharded model behind a sharded target (lazy: only what a drafter borrows, such as
+    one decoder layer to copy, the embedding or the head, is ever read), else the model."""
+    return getattr(model, UNSHARDED_ATTR, model)
+
+
+# --- sharding a target -----------------------------------------------------------------------
+
+
+def pipeline_module(model: nn.Module):
+    """The inner model that mlx-lm can split into pipeline stages, or None."""
+    for candidate in (getattr(model, "model", None), getattr(model, "language_model", None)):
+        inner = getattr(candidate, "model", candidate)
+        for module in (candidate, inner):
+            if module is not None and callable(getattr(module, "pipeline", None)):
+                return module
+    return None
+
+
+def _dense_layers(model: nn.Module) -> list | None:
+    """The decoder layers when every one has the Llama layout (q/k/v/o projections with
+    `n_heads`/`n_kv_heads`, a gate/up/down MLP), else None."""
+    layers = list(getattr(model, "layers", []) or [])
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads")
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
+            return None
+        if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            return None
+    return layers or None
+
+
+def _shard_dense(layers: list, group: mx.distributed.Group, model_type: str) -> None:
+    """Tensor parallelism for Llama-layout layers, as mlx-lm shards Llama: heads and MLP
+    columns split across ranks, one all-sum after attention and one after the MLP."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    n = group.size()
+    for layer in layers:
+        attn = layer.self_attn
+        if attn.n_heads % n or attn.n_kv_heads % n:
+            raise ValueError(
+                f"cannot shard {model_type} over {n} ranks: {attn.n_heads} attention heads and "
+                f"{attn.n_kv_heads} key/value heads must both divide by {n}"
+            )
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        attn.n_heads //= n
+        attn.n_kv_heads //= n
+        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+
+
+def shard_target(model: nn.Module, group: mx.distributed.Group, mode: str = "auto") -> str:
+    """Split `model` over `group` in place; returns the mode used ("tensor" or "pipeline").
+
+    Tensor parallel uses mlx-lm's `shard` where the architecture has one, else the Llama layout
+    (for architectures such as MiMo that mlx-lm loads but does not shard); pipeline parallel
+    uses mlx-lm's `pipeline`. "auto" prefers tensor parallel.
+    """
+    if mode not in SHARD_MODES:
+        raise ValueError(f"unknown shard mode {mode!r}: pass one of {', '.join(SHARD_MODES)}")
+    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    has_shard = callable(getattr(model, "shard", None))
+    dense = None if has_shard else _dense_layers(model)
+    pipe = pipeline_module(model)
+    tensor_ok = has_shard or dense is not None
+    if mode == "auto":
+        mode = "tensor" if tensor_ok else "pipeline" if pipe is not None else ""
+    if not mode:
+        raise ValueError(
+            f"cannot shard {model_type}: mlx-lm has neither tensor parallelism nor pipeline "
+            "stages for it; run it on one machine"
+        )
+    if mode == "tensor" and not tensor_ok:
+        raise ValueError(f"cannot shard {model_type} by tensor parallelism; try --shard pipeline")
+    if mode == "pipeline" and pipe is None:
+        raise ValueError(f"mlx-lm has no pipeline stages for {model_type}; try --shard tensor")
+    try:
+        if mode == "pipeline":
+            pipe.pipeline(group)
+        elif has_shard:
+            model.shard(group)
+        else:
+            _shard_dense(dense, group, model_type)
+    except (AssertionError, ValueError) as exc:
+        raise ValueError(f"cannot shard {model_type} over {group.size()} ranks: {exc}") from exc
+    return mode
+
+
+def check_layers_local(model: nn.Module, layer_ids, what: str) -> None:
+    """Refuse a drafter that reads inner target layers when the target is pipelined: each
+    rank runs a stretch of layers only (the final hidden state is on every rank)."""
+    sharding = sharding_of(model)
+    if sharding is None or sharding.mode != "pipeline":
+        return
+    total = len(list(whole(model).layers))
+    inner = sorted(i for i in layer_ids if i < total)
+    if inner:
+        raise ValueError(
+            f"{what} reads the target's hidden states at layers {inner}, which a pipeline "
+            f"spreads over the ranks; shard the target with --shard tensor (every rank sees "
+            "every layer)"
+        )
+
+
+# --- agreement between ranks -----------------------------------------------------------------
+
+
+def fingerprint(model_dir: Path, model: nn.Module) -> bytes:
+    """What every rank must have loaded alike: the config, the weight files' names and sizes,
+    and the names, shapes and dtypes of the parameters."""
+    digest = hashlib.sha256()
+    config = Path(model_dir) / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    for name, value in tree_flatten(model.parameters()):
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+    return digest.digest()
+
+
+def check_same(group: mx.distributed.Group, value: bytes, what: str) -> None:
+    """Raise on every rank unless every rank passed the same `value`."""
+    mine = mx.array(list(value[:16]), mx.int32)
+    every = mx.distributed.all_gather(mine[None], group=group)
+    mx.eval(every)
+    rows = every.tolist()
+    odd = [rank for rank, row in enumerate(rows) if row != rows[0]]
+    if odd:
+        raise ValueError(
+            f"ranks {', '.join(map(str, odd))} loaded a different {what} than rank 0: every "
+            "rank must load the same files"
+        )
+
+
+def barrier(group: mx.distributed.Group) -> None:
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+
+# --- shared decisions ------------------------------------------------------------------------
+
+
+class Sync:
+    """Shares rank 0's values with every rank of a sharded target's group."""
+
+    def __init__(self, sharding: Sharding, ledger: CommLedger | None = None):
+        self.group = sharding.group
+        self.rank = sharding.rank
+        self.size = sharding.size
+        self.ledger = ledger
+
+    def share(self, x: mx.array) -> mx.array:
+        """Rank 0's integers `x` on every rank, lazily: an all-sum of `x` with `x * 0` on the
+        other ranks. (Not zeros: the zeros would not depend on `x`, the other ranks' graphs
+        would differ from rank 0's, and their collectives could run in another order.)"""
+        mine = x.astype(mx.int32)
+        mine = mine if self.rank == 0 else mine * 0
+        return mx.distributed.all_sum(mine, group=self.group).astype(x.dtype)
+
+    def share_ints(self, values: list[int]) -> list[int]:
+        """Rank 0's integers on every rank, now."""
+        out = self.share(mx.array(values, mx.int32))
+        mx.eval(out)
+        return out.tolist()
+
+    def shared_seed(self, seed: int | None) -> int:
+        """Rank 0's seed (drawn there when None), so every rank draws the same numbers."""
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+        return self.share_ints([seed])[0]
+
+
+def sync_for(model: nn.Module) -> Sync | None:
+    """The `Sync` of a sharded target (one per model), or None for a target on one process."""
+    sharding = sharding_of(model)
+    if sharding is None:
+        return None
+    sync = getattr(model, "_mlx_spec_sync", None)
+    if sync is None:
+        sync = Sync(sharding, CommLedger.for_group(sharding.group))
+        object.__setattr__(model, "_mlx_spec_sync", sync)
+    return sync
+
+
+# --- communication ledger --------------------------------------------------------------------
+
+_COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "recv_like")
+_ACTIVE: list[CommLedger] = []
+_ORIGINALS: dict[str, object] = {}
+
+
+def _nbytes(args, kwargs) -> int:
+    x = args[0] if args else kwargs.get("x")
+    return int(getattr(x, "nbytes", 0) or 0)
+
+
+def _install_counters() -> None:
+    """Wrap the `mx.distributed` collectives so that the ledgers in use count each one built
+    (the models look them up on the module at call time, so the wrappers see theirs)."""
+    if _ORIGINALS:
+        return
+    for name in _COLLECTIVES:
+        original = getattr(mx.distributed, name, None)
+        if original is None:
+            continue
+        _ORIGINALS[name] = original
+
+        def counted(*args, _original=original, **kwargs):
+            if _ACTIVE:
+                _ACTIVE[-1].record(_nbytes(args, kwargs))
+            return _original(*args, **kwargs)
+
+        setattr(mx.distributed, name, counted)
+
+
+class CommLedger:
+    """Collectives built while counting, priced by a start-up probe over the same group.
+
+    The probe times chains of all-sums of a small and a large buffer on this group; a
+    collective of n bytes is priced at latency + n / bandwidth from the two. The price is an
+    estimate: a collective's time inside a pass overlaps with compute the probe does not see.
+    """
+
+    _BY_GROUP: dict[int, CommLedger] = {}
+
+    def __init__(self, group: mx.distributed.Group, probe_rounds: int = 20):
+        _install_counters()
+        self.group = group
+        self.latency, self.seconds_per_byte = self._probe(probe_rounds)
+        self.collectives = 0
+        self.bytes = 0
+
+    @classmethod
+    def for_group(cls, group: mx.distributed.Group) -> CommLedger:
+        key = id(group)
+        if key not in cls._BY_GROUP:
+            cls._BY_GROUP[key] = cls(group)
+        return cls._BY_GROUP[key]
+
+    def _probe(self, rounds: int) -> tuple[float, float]:
+        def chain(elements: int) -> float:
+            x = mx.zeros((elements,), mx.float32)
+            mx.eval(_ORIGINALS["all_sum"](x, group=self.group))  # warm the connection
+            tic = time.perf_counter()
+            for _ in range(rounds):
+                x = _ORIGINALS["all_sum"](x, group=self.group) * 0.5
+            mx.eval(x)
+            return (time.perf_counter() - tic) / rounds
+
+        small, large = 1, 1 << 16
+        t_small, t_large = chain(small), chain(large)
+        per_byte = max(t_large - t_small, 0.0) / ((large - small) * 4)
+        return t_small, per_byte
+
+    def record(self, nbytes: int) -> None:
+        self.collectives += 1
+        self.bytes += nbytes
+
+    def price(self, collectives: int, nbytes: int) -> float:
+        return collectives * self.latency + nbytes * self.seconds_per_byte
+
+    @contextmanager
+    def counting(self):
+        """Count the collectives built inside the block: yields a function returning
+        (collectives, bytes) so far."""
+        start = (self.collectives, self.bytes)
+        _ACTIVE.append(self)
+        try:
+            yield lambda: (self.collectives - start[0], self.bytes - start[1])
+        finally:
+            _ACTIVE.remove(self)
+
+
+# --- a launched command ----------------------------------------------------------------------
+
+
+def quiet_other_ranks(group: mx.distributed.Group | None) -> None:
+    """Rank 0 prints; the other ranks print nothing (their errors still reach stderr)."""
+    if group is None or group.rank() == 0:
+        return
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
+def stop_on_signal() -> None:
+    """A rank the launcher stops (another rank failed) says so in one line and exits."""
+
+    def handler(signum, _frame):
+        rank = os.environ.get("MLX_RANK", "?")
+        print(
+            f"mlx-spec: rank {rank}: stopped ({signal.Signals(signum).name}): another rank of "
+            "this distributed run failed or was interrupted",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether an exception from MLX means a rank of the group is gone."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "[ring]" in text or "[jaccl]" in text or "[mpi]" in text or "peer" in text
+    )
+
+
+def describe(group: mx.distributed.Group | None) -> dict:
+    """`world_size` and `rank` for reports (1 and 0 when alone)."""
+    if group is None:
+        return {"world_size": 1, "rank": 0}
+    return {"world_size": group.size(), "rank": group.rank()}
