@@ -188,6 +188,7 @@ class BenchConfig:
     seed: int = 0
     peer: bool = True
     micro_repeats: int = 20
+    shard: str | None = None
 
     @classmethod
     def preset(cls, quick: bool = False, **overrides) -> BenchConfig:
@@ -1001,7 +1002,7 @@ def _load(config: BenchConfig) -> _Loaded:
     needs_draft = config.modes is not None and ({DRAFT_MODEL, PEER, DRAFT_TREE} & set(config.modes))
     if needs_draft and draft_path is None:
         raise ValueError("modes draft-model and mlx-lm need a draft model (--draft-model PATH)")
-    model, tokenizer = mlx_spec.load(model_path)
+    model, tokenizer = mlx_spec.load(model_path, shard=config.shard)
     what = " (the embedded demo pair)" if config.model is None else ""
     header = {"target": f"{_shown(model_path)}{what} ({param_count(model) / 1e6:.1f}M parameters)"}
     notes = []
@@ -1122,6 +1123,9 @@ def _settings(config: BenchConfig, loaded: _Loaded, peer_ok: bool) -> list[_Sett
 
 def _peer_ok(config: BenchConfig, loaded: _Loaded) -> bool:
     if not (config.peer and _wants(config, PEER) and loaded.draft is not None):
+        return False
+    if config.shard is not None:
+        loaded.notes.append("mlx-lm peer skipped: it refuses a draft model on a sharded target")
         return False
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 

@@ -39,6 +39,7 @@ def _add_generate(sub) -> None:
     )
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     _add_drafter_flags(p)
+    _add_shard_flag(p)
     p.add_argument(
         "--medusa",
         nargs="?",
@@ -165,7 +166,7 @@ def cmd_generate(args) -> int:
     _blas.warn_if_slow()
     if args.model is None:
         _demo_defaults(args)
-    model, tokenizer = mlx_spec.load(args.model)
+    model, tokenizer = _load_target(args)
     drafter = _drafter(args, model)
     stream = mlx_spec.stream_generate(
         model,
@@ -241,6 +242,11 @@ def _summary(stats: dict, choices: str) -> str:
             line += f"; {choices}"
     if "speedup" in stats:
         line += f", speedup {stats['speedup']:.2f}x over plain decoding"
+    if stats.get("world_size", 1) > 1:
+        line += (
+            f"; {stats['world_size']} ranks, communication ~"
+            f"{stats['comm_seconds_per_pass'] * 1e3:.2f} ms per target pass"
+        )
     return line + "]"
 
 
@@ -500,6 +506,7 @@ def _add_bench(sub) -> None:
         help="a run of a few minutes: 3 prompts, 64 tokens, k 2,4, 2 repeats",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    _add_shard_flag(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -525,6 +532,9 @@ def cmd_bench(args) -> int:
             bench.parse_float_list(args.temperatures) if args.temperatures is not None else None
         ),
     }
+    _check_shard(args.shard, args.group)
+    if args.group is not None:
+        overrides["shard"] = args.shard or "auto"
     config = bench.BenchConfig.preset(
         quick=args.quick,
         peer=not args.no_peer,
@@ -589,6 +599,36 @@ def _add_drafter_flags(p) -> None:
     )
 
 
+def _add_shard_flag(p) -> None:
+    p.add_argument(
+        "--shard",
+        choices=("auto", "tensor", "pipeline"),
+        default=None,
+        help="under a distributed launcher (mlx.launch --backend ring|jaccl|mpi -n N ...): how "
+        "the target is split over the ranks; 'auto' (default there) picks tensor parallelism "
+        "where the architecture has it, else pipeline stages. Rank 0 prints; the drafter is "
+        "replicated on every rank",
+    )
+
+
+def _load_target(args):
+    """The target of `args.model`: split over the ranks when launched distributed."""
+    group = getattr(args, "group", None)
+    shard = getattr(args, "shard", None)
+    _check_shard(shard, group)
+    if group is None:
+        return mlx_spec.load(args.model)
+    return mlx_spec.load(args.model, shard=shard or "auto", group=group)
+
+
+def _check_shard(shard: str | None, group) -> None:
+    if shard is not None and group is None:
+        raise ValueError(
+            "--shard splits the target over the ranks of a distributed launch: start the "
+            "command with mlx.launch (e.g. mlx.launch --backend ring -n 2 mlx-spec generate ...)"
+        )
+
+
 def _num_draft(text: str) -> int | str:
     """An integer, or the text as given ('auto'; anything else is refused by the library
     with a one-line error)."""
@@ -621,6 +661,7 @@ def _add_chat(sub) -> None:
         "three drafters chosen between every round)",
     )
     _add_drafter_flags(p)
+    _add_shard_flag(p)
     _add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--system", help="system prompt")
@@ -635,7 +676,7 @@ def cmd_chat(args) -> int:
     _blas.warn_if_slow()
     if args.model is None:
         _demo_defaults(args)
-    model, tokenizer = mlx_spec.load(args.model)
+    model, tokenizer = _load_target(args)
     session = Session(
         model,
         tokenizer,
@@ -650,7 +691,12 @@ def cmd_chat(args) -> int:
         mx.random.seed(args.seed)
     chat = Chat(session, system=args.system, max_tokens=args.max_tokens, sampling=sampling)
     chat.check_settings()
-    return chat.run(input_lines(sys.stdin))
+    lines = input_lines(sys.stdin)
+    if getattr(args, "group", None) is not None:  # rank 0 reads; every rank gets its lines
+        from mlx_spec.distributed import shared_lines
+
+        lines = shared_lines(args.group, lines)
+    return chat.run(lines)
 
 
 def _add_serve(sub) -> None:
@@ -744,6 +790,11 @@ def cmd_serve(args) -> int:
 
     import uvicorn
 
+    if getattr(args, "group", None) is not None:
+        raise ValueError(
+            "serve does not run under a distributed launcher yet: serve the model from one "
+            "machine, or use generate / chat / bench across machines"
+        )
     for name in ("max_tokens_limit", "max_request_bytes", "max_concurrent", "port", "prefill_step"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -829,16 +880,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mlx_spec import distributed
+
     args = build_parser().parse_args(argv)
     _quiet_third_parties()
+    args.group = None
     try:
+        if args.command != "info":
+            args.group = distributed.world()
+        distributed.quiet_other_ranks(args.group)
+        if args.group is not None:
+            distributed.stop_on_signal()
+            if args.command in ("convert", "distill"):
+                raise ValueError(f"{args.command} runs on one machine: start it without mlx.launch")
         return args.func(args)
+    except distributed.DistributedError as exc:
+        _error(args, exc)
+        return 1
+    except RuntimeError as exc:
+        if not distributed.lost_peer(exc):
+            raise
+        _error(args, f"a rank of the distributed run was lost ({exc})")
+        return 1
     except KeyboardInterrupt:
         print("\nmlx-spec: interrupted", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, OSError) as exc:
-        print(f"mlx-spec: error: {exc}", file=sys.stderr)
+        _error(args, exc)
         return 2
+
+
+def _error(args, message) -> None:
+    """One line on standard error; in a distributed run it names the rank, and the other
+    ranks' errors reach the terminal though the rest of their output does not."""
+    group = getattr(args, "group", None)
+    if group is None:
+        print(f"mlx-spec: error: {message}", file=sys.stderr)
+        return
+    stream = sys.stderr if group.rank() == 0 else sys.__stderr__
+    print(f"mlx-spec: error: rank {group.rank()}: {message}", file=stream, flush=True)
 
 
 if __name__ == "__main__":

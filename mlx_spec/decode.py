@@ -151,7 +151,7 @@ class _Decoder:
         drafted = draft.tokens.size
         target.checkpoint(drafted + 1, single_call=True)
         sync = target.sync  # a sharded target: every rank verifies rank 0's drafts
-        proposed = draft.tokens if sync is None or not drafted else sync.share(draft.tokens)
+        proposed = draft.tokens if sync is None or not drafted else sync.share_input(draft.tokens)
         inputs = mx.concatenate([mx.array([self.last], mx.uint32), proposed.astype(mx.uint32)])
         num_accepted, next_token = _verify(target(inputs), proposed, draft.probs, sampling)
         num_accepted, next_token = _share_outcome(sync, num_accepted, next_token)

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,8 @@ def _dense_layers(model: nn.Module) -> list | None:
         names = ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads")
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in names):
             return None
-        if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        projections = ("gate_proj", "up_proj", "down_proj")
+        if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in projections):
             return None
     return layers or None
 
@@ -235,6 +237,10 @@ class Sync:
         self.rank = sharding.rank
         self.size = sharding.size
         self.ledger = ledger
+        # A pipeline stage receives its input with `recv_like`, which does not depend on the
+        # tokens fed: a share feeding the pass must be done before the pass is built, else the
+        # last stage could wait in its receive while the first waits in the share.
+        self.eager_inputs = sharding.mode == "pipeline"
 
     def share(self, x: mx.array) -> mx.array:
         """Rank 0's integers `x` on every rank, lazily: an all-sum of `x` with `x * 0` on the
@@ -243,6 +249,13 @@ class Sync:
         mine = x.astype(mx.int32)
         mine = mine if self.rank == 0 else mine * 0
         return mx.distributed.all_sum(mine, group=self.group).astype(x.dtype)
+
+    def share_input(self, x: mx.array) -> mx.array:
+        """`share(x)` for tokens that feed the target's next pass."""
+        out = self.share(x)
+        if self.eager_inputs:
+            mx.eval(out)
+        return out
 
     def share_ints(self, values: list[int]) -> list[int]:
         """Rank 0's integers on every rank, now."""
@@ -362,10 +375,16 @@ class CommLedger:
 
 
 def quiet_other_ranks(group: mx.distributed.Group | None) -> None:
-    """Rank 0 prints; the other ranks print nothing (their errors still reach stderr)."""
+    """Rank 0 prints; the other ranks print nothing: their output, summaries and warnings go
+    nowhere, their errors (written to `sys.__stderr__`, and uncaught ones) still show."""
     if group is None or group.rank() == 0:
         return
-    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+    def show(kind, value, tb):
+        traceback.print_exception(kind, value, tb, file=sys.__stderr__)
+
+    sys.excepthook = show
 
 
 def stop_on_signal() -> None:
@@ -390,6 +409,25 @@ def lost_peer(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and (
         "[ring]" in text or "[jaccl]" in text or "[mpi]" in text or "peer" in text
     )
+
+
+def shared_lines(group: mx.distributed.Group, lines):
+    """Rank 0's input lines on every rank (the other ranks never read their own input)."""
+    sync = Sync(Sharding(group, "lines"))
+    source = iter(lines) if group.rank() == 0 else None
+    while True:
+        data = b""
+        if source is not None:
+            line = next(source, None)
+            data = b"\xff" if line is None else line.encode()
+        (length,) = sync.share_ints([len(data)])
+        if length == 0:
+            yield ""
+            continue
+        data = bytes(sync.share_ints(list(data) if source is not None else [0] * length))
+        if data == b"\xff":
+            return
+        yield data.decode()
 
 
 def describe(group: mx.distributed.Group | None) -> dict:

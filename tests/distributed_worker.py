@@ -1,0 +1,66 @@
+"""One rank of a distributed test run (started by tests/test_distributed.py with MLX_RANK and
+MLX_HOSTFILE set, or alone as the single-process reference).
+
+Usage: python distributed_worker.py JOB.json
+JOB: {"model", "shard", "drafter" ("none", "ngram", "mtp", "eagle3:DIR" or a draft model
+directory), "num_draft", "prompt", "max_tokens", "temperature", "runs", "seed", "die_after"}.
+Prints one JSON line: {"rank", "world_size", "tokens": [...per run], "stats": last run's}.
+`die_after`: rank 1 exits abruptly after that many generated tokens (a lost machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import mlx_spec
+from mlx_spec import distributed
+
+
+def drafter_for(spec: str, model):
+    if spec == "none":
+        return None
+    if spec in ("ngram", "mtp"):
+        return spec
+    if spec.startswith("eagle3:"):
+        return mlx_spec.load_eagle3_drafter(spec.split(":", 1)[1], model)
+    return mlx_spec.load_drafter(spec)
+
+
+def main() -> int:
+    job = json.loads(open(sys.argv[1]).read())
+    group = distributed.world()
+    shard = job.get("shard") if group is not None else None
+    model, tokenizer = mlx_spec.load(job["model"], shard=shard)
+    tokenizer.eos_token_ids = set()  # generations of fixed length
+    rank = group.rank() if group is not None else 0
+    drafter = drafter_for(job.get("drafter", "none"), model)
+    outputs, stats = [], None
+    for run in range(job.get("runs", 1)):
+        stream = mlx_spec.stream_generate(
+            model,
+            tokenizer,
+            job["prompt"],
+            drafter=drafter,
+            num_draft=job.get("num_draft", "auto"),
+            max_tokens=job["max_tokens"],
+            temperature=job.get("temperature", 0.0),
+            seed=job["seed"] + run if "seed" in job else None,
+        )
+        tokens = []
+        for chunk in stream:
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+                if rank == 1 and len(tokens) == job.get("die_after", -1):
+                    os._exit(17)
+            stats = chunk.stats
+        outputs.append(tokens)
+    record = {"rank": rank, "world_size": stats.world_size, "tokens": outputs}
+    record["stats"] = stats.to_dict()
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
