@@ -891,6 +891,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed.quiet_other_ranks(args.group)
         if args.group is not None:
             distributed.stop_on_signal()
+            distributed.watch_for_lost_ranks(args.group.rank())
             if args.command in ("convert", "distill"):
                 raise ValueError(f"{args.command} runs on one machine: start it without mlx.launch")
         return args.func(args)

@@ -19,10 +19,12 @@ priced by a probe of the same size over the same group, timed at start-up.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -172,7 +174,10 @@ def shard_target(model: nn.Module, group: mx.distributed.Group, mode: str = "aut
         else:
             _shard_dense(dense, group, model_type)
     except (AssertionError, ValueError) as exc:
-        raise ValueError(f"cannot shard {model_type} over {group.size()} ranks: {exc}") from exc
+        hint = "; try --shard pipeline" if mode == "tensor" and pipe is not None else ""
+        raise ValueError(
+            f"cannot shard {model_type} over {group.size()} ranks: {exc}{hint}"
+        ) from exc
     return mode
 
 
@@ -195,14 +200,21 @@ def check_layers_local(model: nn.Module, layer_ids, what: str) -> None:
 # --- agreement between ranks -----------------------------------------------------------------
 
 
-def fingerprint(model_dir: Path, model: nn.Module) -> bytes:
+def fingerprint(model_dir: Path, model: nn.Module, samples: int = 8, size: int = 1 << 16) -> bytes:
     """What every rank must have loaded alike: the config, the weight files' names and sizes,
-    and the names, shapes and dtypes of the parameters."""
+    `samples` stretches of `size` bytes spread over each file (two fine-tunes of one model
+    differ there; reading every byte of a large model would take minutes), and the names,
+    shapes and dtypes of the parameters."""
     digest = hashlib.sha256()
     config = Path(model_dir) / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        digest.update(f"{path.name}:{path.stat().st_size};".encode())
+        length = path.stat().st_size
+        digest.update(f"{path.name}:{length};".encode())
+        with open(path, "rb") as f:
+            for i in range(samples):
+                f.seek(max(length - size, 0) * i // max(samples - 1, 1))
+                digest.update(f.read(size))
     for name, value in tree_flatten(model.parameters()):
         digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
     return digest.digest()
@@ -392,15 +404,68 @@ def stop_on_signal() -> None:
 
     def handler(signum, _frame):
         rank = os.environ.get("MLX_RANK", "?")
-        print(
+        line = (
             f"mlx-spec: rank {rank}: stopped ({signal.Signals(signum).name}): another rank of "
-            "this distributed run failed or was interrupted",
-            file=sys.stderr,
-            flush=True,
+            "this distributed run failed or was interrupted\n"
         )
+        os.write(_TERMINAL[0], line.encode())
         os._exit(1)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+_BACKEND_NOISE = (b"[ring]", b"[jaccl]", b"[mpi]")
+_TERMINAL = [2]  # the file descriptor of the real standard error
+
+
+def watch_for_lost_ranks(rank: int, grace: float = 3.0) -> None:
+    """Bound the time a rank can hang once the group is broken.
+
+    When a peer dies, MLX's backends print their socket errors and fail the collective under
+    way, but a pass queued behind it can wait forever. Standard error (file descriptor 2) is
+    passed through a pipe that drops those lines; after the first of them the process has
+    `grace` seconds to stop on its own (the failed collective's RuntimeError, reported in one
+    line), else it says so in one line and exits.
+    """
+    real = _TERMINAL[0] = os.dup(2)
+    read_end, write_end = os.pipe()
+    sys.stderr.flush()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    message = (
+        f"mlx-spec: error: rank {rank}: a rank of the distributed run was lost (its "
+        "connection closed); stopping\n"
+    ).encode()
+
+    def give_up() -> None:
+        os.write(real, message)
+        os._exit(1)
+
+    def pump() -> None:
+        timer, pending = None, b""
+        with os.fdopen(read_end, "rb", buffering=0) as source:
+            while chunk := source.read(4096):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if line.startswith(_BACKEND_NOISE):
+                        if timer is None:
+                            timer = threading.Timer(grace, give_up)
+                            timer.daemon = True
+                            timer.start()
+                        continue
+                    os.write(real, line + b"\n")
+        if pending:
+            os.write(real, pending)
+
+    thread = threading.Thread(target=pump, name="mlx-spec-stderr", daemon=True)
+    thread.start()
+
+    def restore() -> None:  # at exit: everything written reaches the terminal
+        sys.stderr.flush()
+        os.dup2(real, 2)  # closes the pipe's last write end: the pump drains and ends
+        thread.join(timeout=2.0)
+
+    atexit.register(restore)
 
 
 def lost_peer(exc: BaseException) -> bool:

@@ -4,7 +4,8 @@ MLX_HOSTFILE set, or alone as the single-process reference).
 Usage: python distributed_worker.py JOB.json
 JOB: {"model", "shard", "drafter" ("none", "ngram", "mtp", "eagle3:DIR" or a draft model
 directory), "num_draft", "prompt", "max_tokens", "temperature", "runs", "seed", "die_after"}.
-Prints one JSON line: {"rank", "world_size", "tokens": [...per run], "stats": last run's}.
+Prints one JSON line: {"rank", "world_size", "tokens": [...per run], "accepted": drafts
+accepted over all runs, "stats": the last run's}.
 `die_after`: rank 1 exits abruptly after that many generated tokens (a lost machine).
 """
 
@@ -36,7 +37,7 @@ def main() -> int:
     tokenizer.eos_token_ids = set()  # generations of fixed length
     rank = group.rank() if group is not None else 0
     drafter = drafter_for(job.get("drafter", "none"), model)
-    outputs, stats = [], None
+    outputs, accepted, stats = [], 0, None
     for run in range(job.get("runs", 1)):
         stream = mlx_spec.stream_generate(
             model,
@@ -46,6 +47,7 @@ def main() -> int:
             num_draft=job.get("num_draft", "auto"),
             max_tokens=job["max_tokens"],
             temperature=job.get("temperature", 0.0),
+            top_k=job.get("top_k", 0),
             seed=job["seed"] + run if "seed" in job else None,
         )
         tokens = []
@@ -56,7 +58,9 @@ def main() -> int:
                     os._exit(17)
             stats = chunk.stats
         outputs.append(tokens)
+        accepted += stats.accepted
     record = {"rank": rank, "world_size": stats.world_size, "tokens": outputs}
+    record["accepted"] = accepted  # drafts accepted over all runs
     record["stats"] = stats.to_dict()
     print(json.dumps(record), flush=True)
     return 0

@@ -1,0 +1,239 @@
+"""A target sharded over 2 processes on loopback (MLX's ring backend), every process started
+here with MLX_RANK and MLX_HOSTFILE as `mlx.launch` starts them, each run bounded by a timeout.
+
+Lossless: greedy output on 2 ranks equals single-process plain decoding for a draft model,
+n-gram lookup and an MTP head, tensor and pipeline parallel; the first three tokens sampled on
+2 ranks follow the target's exact distribution. Robust: a rank that dies makes the other exit
+with a one-line error; ranks that load different models, a drafter that needs hidden states a
+pipeline stage does not have, and `--shard` without a launcher get one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx_spec
+from convert import convert_checkpoint
+from mlx_spec.sampling import SamplingConfig
+
+import hfmodels as hfm
+import pytest
+import tinymodels as tm
+from chisquare import chisquare_pvalue, exact_first_tokens
+from test_eagle3 import write_eagle3
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]
+TIMEOUT = 240  # seconds any 2-rank run may take at most (a hang fails, it never blocks)
+
+
+def qwen2_config(**overrides) -> dict:
+    """4 layers: mlx-lm has both tensor parallelism and pipeline stages for qwen2."""
+    config = tm.llama_config(tm.tokenizer_size(), model_type="qwen2", num_hidden_layers=4)
+    config.update(max_position_embeddings=4096, **overrides)
+    return config
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Checkpoints: a qwen2 target, a noisy copy as its draft model, a second qwen2 (another
+    model), an EAGLE-3 head for the target, and a converted DeepSeek-V3 with its MTP head."""
+    root = tmp_path_factory.mktemp("dist")
+    config = qwen2_config()
+    weights = tm.random_weights(config, seed=31)
+    out = {
+        "target": tm.write_checkpoint(root / "target", config, weights),
+        "draft": tm.write_checkpoint(root / "draft", config, tm.perturb(weights, 0.3, seed=32)),
+        "other": tm.write_checkpoint(
+            root / "other", qwen2_config(), tm.random_weights(config, seed=33)
+        ),
+    }
+    # its EOS id is beyond the tokenizer's vocabulary: it generates to --max-tokens
+    endless = qwen2_config(vocab_size=tm.tokenizer_size() + 3, eos_token_id=tm.tokenizer_size() + 2)
+    out["endless"] = tm.write_checkpoint(
+        root / "endless", endless, tm.random_weights(endless, seed=34)
+    )
+    tokenizer_config = json.loads((out["endless"] / "tokenizer_config.json").read_text())
+    del tokenizer_config["eos_token"]  # </s> is an ordinary token here
+    (out["endless"] / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    out["eagle3"] = write_eagle3(root / "eagle3")[0]
+    source, _ = hfm.write_hf_checkpoint(root / "deepseek_v3", "deepseek_v3", seed=4)
+    hfm.add_mtp(source, family="deepseek_v3", seed=50)
+    out["deepseek_v3"] = convert_checkpoint(
+        str(source), str(root / "deepseek_v3-mlx"), dtype="float32"
+    ).path
+    return out
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start(argvs: list[list[str]], tmp_path: Path, **popen) -> list[subprocess.Popen]:
+    """One process per rank (argvs[r] for rank r), joined by a ring hostfile on loopback."""
+    hostfile = tmp_path / f"hosts-{time.monotonic_ns()}.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(len(argvs))]))
+    procs = []
+    for rank, argv in enumerate(argvs):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                **popen,
+            )  # fmt: skip
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of every rank; kills them all past `timeout` and fails."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+            out.append((p.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a 2-rank run took more than {timeout} s")
+    return out
+
+
+def run_job(tmp_path: Path, job: dict) -> list[dict]:
+    """The worker's record from each of 2 ranks."""
+    path = tmp_path / f"job-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(job))
+    results = finish(start([[str(WORKER), str(path)]] * 2, tmp_path))
+    records = []
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+        records.append(json.loads(stdout.strip().splitlines()[-1]))
+    return records
+
+
+CASES = [  # (model, shard, drafter, num_draft)
+    ("target", "tensor", "draft", 3),
+    ("target", "pipeline", "draft", "auto"),
+    ("target", "tensor", "ngram", "auto"),
+    ("target", "pipeline", "ngram", 4),
+    ("deepseek_v3", "tensor", "mtp", 2),
+    ("deepseek_v3", "pipeline", "mtp", "auto"),
+]
+
+
+@pytest.mark.parametrize("model,shard,drafter,k", CASES)
+def test_greedy_on_two_ranks_equals_plain_decoding(ckpt, tmp_path, model, shard, drafter, k):
+    job = {"model": str(ckpt[model]), "prompt": PROMPT, "max_tokens": 40, "num_draft": k}
+    target, tokenizer = mlx_spec.load(str(ckpt[model]))
+    tokenizer.eos_token_ids = set()
+    plain = {"tokens": [mlx_spec.generate(target, tokenizer, PROMPT, max_tokens=40).tokens]}
+    if drafter == "draft":
+        drafter = str(ckpt["draft"])
+    ranks = run_job(tmp_path, {**job, "shard": shard, "drafter": drafter})
+    for rank, record in enumerate(ranks):
+        assert record["rank"] == rank and record["world_size"] == 2
+        assert record["tokens"] == plain["tokens"], f"rank {rank} ({shard}, {drafter})"
+        stats = record["stats"]
+        assert stats["drafted_tokens"] > 0 and stats["comm_collectives"] > 0
+        assert stats["comm_seconds_per_pass"] > 0
+    # every rank counted the same rounds: they rolled back alike
+    assert ranks[0]["stats"]["target_passes"] == ranks[1]["stats"]["target_passes"]
+
+
+def test_sampled_tokens_on_two_ranks_follow_the_target(ckpt, tmp_path):
+    """The first three tokens of 300 seeded generations (temperature 1, top-k 3, the draft
+    model verified by rejection sampling on a tensor-parallel target) against the target's
+    exact distribution; every rank saw the same samples."""
+    config = SamplingConfig(temperature=1.0, top_k=3)
+    job = {
+        "model": str(ckpt["target"]), "shard": "tensor", "drafter": str(ckpt["draft"]),
+        "num_draft": 2, "prompt": PROMPT, "max_tokens": 3, "temperature": 1.0, "top_k": 3,
+        "runs": 300, "seed": 0,
+    }  # fmt: skip
+    ranks = run_job(tmp_path, job)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+    model, _ = mlx_spec.load(str(ckpt["target"]))
+    exact = exact_first_tokens(model, PROMPT, config, tm.tokenizer_size())
+    samples = [tuple(t) for t in ranks[0]["tokens"]]
+    assert chisquare_pvalue(samples, exact) > 1e-3
+    assert ranks[0]["accepted"] > 0  # rejection sampling accepted drafts, and rejected some
+
+
+def cli(*args: str) -> list[str]:
+    return ["-m", "mlx_spec.cli", *args]
+
+
+def test_cli_generate_on_two_ranks(ckpt, tmp_path):
+    """Rank 0 prints the JSON record (world_size 2, communication per pass); rank 1 prints
+    nothing at all; the tokens are plain decoding's."""
+    args = ["generate", "--model", str(ckpt["target"]), "--prompt", "abcab", "--max-tokens",
+            "24", "--draft-model", str(ckpt["draft"]), "--json"]  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, *cli(*args[:-3], "--json")], capture_output=True, text=True,
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    (zero, out0, err0), (one, out1, err1) = finish(
+        start([cli(*args, "--shard", "tensor")] * 2, tmp_path)
+    )
+    assert zero == 0 and one == 0, err0 + err1
+    record = json.loads(out0)
+    assert record["tokens"] == json.loads(plain.stdout)["tokens"]
+    assert record["stats"]["world_size"] == 2 and record["stats"]["comm_seconds_per_pass"] > 0
+    assert out1 == "" and err1 == ""
+
+
+def test_a_lost_rank_stops_the_others(ckpt, tmp_path):
+    """Rank 1 is killed mid-generation: rank 0 exits with a one-line error, well within the
+    time the generation would have taken."""
+    args = cli("generate", "--model", str(ckpt["endless"]), "--prompt", "abc", "--max-tokens",
+               "3000", "--ngram")  # fmt: skip
+    procs = start([args, args], tmp_path, bufsize=0)
+    tic = time.monotonic()
+    assert procs[0].stdout.read(1), "rank 0 printed nothing"  # generation is under way
+    procs[1].kill()
+    (code, stdout, stderr), _ = finish(procs, timeout=60)
+    assert len(stdout) < 2000, "the generation ended before rank 1 was lost"
+    assert code == 1 and time.monotonic() - tic < 60
+    lines = [line for line in stderr.splitlines() if line.startswith("mlx-spec: error")]
+    assert len(lines) == 1 and "rank 0: a rank of the distributed run was lost" in lines[0]
+    assert "Traceback" not in stderr
+
+
+def test_bad_setups_get_one_line_errors(ckpt, tmp_path):
+    target, other = str(ckpt["target"]), str(ckpt["other"])
+    # ranks that loaded different models
+    base = ["generate", "--prompt", "abc", "--max-tokens", "4", "--ngram"]
+    results = finish(start([cli(*base, "--model", target), cli(*base, "--model", other)], tmp_path))
+    for code, _, stderr in results:
+        assert code == 2 and "Traceback" not in stderr
+        assert "ranks 1 loaded a different model than rank 0" in stderr
+    # an EAGLE-3 head reads inner layers, which a pipeline spreads over the ranks
+    args = cli(*base[:-1], "--model", target, "--eagle", str(ckpt["eagle3"]), "--shard",
+               "pipeline")  # fmt: skip
+    for code, _, stderr in finish(start([args, args], tmp_path)):
+        assert code == 2 and "Traceback" not in stderr
+        assert "hidden states at layers" in stderr and "--shard tensor" in stderr
+    # --shard needs a launcher
+    alone = subprocess.run(
+        [sys.executable, *cli(*base, "--model", target, "--shard", "tensor")],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert alone.returncode == 2 and "mlx.launch" in alone.stderr
