@@ -548,6 +548,8 @@ def decode(
     hold the sequence up to its last kept token; `trace` (if given) gets the tokens added to
     the sequence (beyond what is emitted: an EOS token, or the token the plain pipeline fed)."""
     replays = _replays(target, drafter)
+    if target.sync is not None:  # the last generation's queued passes: finished everywhere
+        distributed.settle_streams()
     if drafter is None:
         rounds = plain_rounds(target, last, sampling=sampling, max_tokens=max_tokens, trace=trace)
     else:

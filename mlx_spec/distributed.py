@@ -270,7 +270,8 @@ class Sync:
         return out
 
     def share_ints(self, values: list[int]) -> list[int]:
-        """Rank 0's integers on every rank, now."""
+        """Rank 0's integers on every rank, now (after `settle_streams`)."""
+        settle_streams()
         out = self.share(mx.array(values, mx.int32))
         mx.eval(out)
         return out.tolist()
@@ -280,6 +281,17 @@ class Sync:
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
         return self.share_ints([seed])[0]
+
+
+def settle_streams() -> None:
+    """Finish the work queued on the default stream and on mlx-lm's generation stream (its
+    plain decoding runs there). A rank's collectives must run in the same order as every
+    other rank's; two streams run side by side, so a pass still running on one while the next
+    collective starts on the other would pair the ranks' messages up wrongly."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize()
+    mx.synchronize(generation_stream)
 
 
 def sync_for(model: nn.Module) -> Sync | None:

@@ -3,16 +3,15 @@ MLX_HOSTFILE set, or alone as the single-process reference).
 
 Usage: python distributed_worker.py JOB.json
 JOB: {"model", "shard", "drafter" ("none", "ngram", "mtp", "eagle3:DIR" or a draft model
-directory), "num_draft", "prompt", "max_tokens", "temperature", "runs", "seed", "die_after"}.
+directory; a list: one after the other, run by run), "num_draft", "prompt", "max_tokens",
+"temperature", "top_k", "runs", "seed"}.
 Prints one JSON line: {"rank", "world_size", "tokens": [...per run], "accepted": drafts
 accepted over all runs, "stats": the last run's}.
-`die_after`: rank 1 exits abruptly after that many generated tokens (a lost machine).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import mlx_spec
@@ -36,14 +35,15 @@ def main() -> int:
     model, tokenizer = mlx_spec.load(job["model"], shard=shard)
     tokenizer.eos_token_ids = set()  # generations of fixed length
     rank = group.rank() if group is not None else 0
-    drafter = drafter_for(job.get("drafter", "none"), model)
+    specs = job.get("drafter", "none")
+    drafters = [drafter_for(spec, model) for spec in ([specs] if isinstance(specs, str) else specs)]
     outputs, accepted, stats = [], 0, None
     for run in range(job.get("runs", 1)):
         stream = mlx_spec.stream_generate(
             model,
             tokenizer,
             job["prompt"],
-            drafter=drafter,
+            drafter=drafters[run % len(drafters)],  # a list: taken in turn, run by run
             num_draft=job.get("num_draft", "auto"),
             max_tokens=job["max_tokens"],
             temperature=job.get("temperature", 0.0),
@@ -54,8 +54,6 @@ def main() -> int:
         for chunk in stream:
             if chunk.token is not None:
                 tokens.append(chunk.token)
-                if rank == 1 and len(tokens) == job.get("die_after", -1):
-                    os._exit(17)
             stats = chunk.stats
         outputs.append(tokens)
         accepted += stats.accepted

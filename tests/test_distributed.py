@@ -157,6 +157,21 @@ def test_greedy_on_two_ranks_equals_plain_decoding(ckpt, tmp_path, model, shard,
     assert ranks[0]["stats"]["target_passes"] == ranks[1]["stats"]["target_passes"]
 
 
+def test_plain_and_speculative_generations_in_turn(ckpt, tmp_path):
+    """Plain decoding (mlx-lm's pipelined steps, on a stream of their own) and speculative
+    rounds one generation after the other on the same sharded target: every generation
+    equals plain decoding (the ranks' collectives stay paired across the switches)."""
+    target, tokenizer = mlx_spec.load(str(ckpt["target"]))
+    tokenizer.eos_token_ids = set()
+    plain = mlx_spec.generate(target, tokenizer, PROMPT, max_tokens=24).tokens
+    job = {
+        "model": str(ckpt["target"]), "shard": "tensor", "prompt": PROMPT, "max_tokens": 24,
+        "drafter": ["none", "ngram", "none", str(ckpt["draft"])], "runs": 8,
+    }  # fmt: skip
+    for record in run_job(tmp_path, job):
+        assert record["tokens"] == [plain] * 8
+
+
 def test_sampled_tokens_on_two_ranks_follow_the_target(ckpt, tmp_path):
     """The first three tokens of 300 seeded generations (temperature 1, top-k 3, the draft
     model verified by rejection sampling on a tensor-parallel target) against the target's
