@@ -36,6 +36,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 SHARD_MODES = ("auto", "tensor", "pipeline")
+# Architectures mlx-lm loads but has no `shard` for, whose layers are Llama's (q/k/v/o, a
+# gate/up/down MLP) and are split here as mlx-lm splits Llama. Others are refused rather than
+# guessed at (a gated query projection or a K/V cache read by a drafter would split wrongly).
+LLAMA_LAYOUT = frozenset({"mimo"})
 SHARDING_ATTR = "_mlx_spec_sharding"  # on a sharded target: its `Sharding`
 UNSHARDED_ATTR = "_mlx_spec_unsharded"  # on a sharded target: the whole (lazy) model
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
@@ -152,7 +156,7 @@ def shard_target(model: nn.Module, group: mx.distributed.Group, mode: str = "aut
         raise ValueError(f"unknown shard mode {mode!r}: pass one of {', '.join(SHARD_MODES)}")
     model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
     has_shard = callable(getattr(model, "shard", None))
-    dense = None if has_shard else _dense_layers(model)
+    dense = None if has_shard or model_type not in LLAMA_LAYOUT else _dense_layers(model)
     pipe = pipeline_module(model)
     tensor_ok = has_shard or dense is not None
     if mode == "auto":

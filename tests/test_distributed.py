@@ -43,7 +43,8 @@ def qwen2_config(**overrides) -> dict:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """Checkpoints: a qwen2 target, a noisy copy as its draft model, a second qwen2 (another
-    model), an EAGLE-3 head for the target, and a converted DeepSeek-V3 with its MTP head."""
+    model), one that never ends (no reachable EOS), a gemma3 (which mlx-lm cannot split), an
+    EAGLE-3 head for the target, and a converted DeepSeek-V3 with its MTP head."""
     root = tmp_path_factory.mktemp("dist")
     config = qwen2_config()
     weights = tm.random_weights(config, seed=31)
@@ -62,6 +63,8 @@ def ckpt(tmp_path_factory):
     tokenizer_config = json.loads((out["endless"] / "tokenizer_config.json").read_text())
     del tokenizer_config["eos_token"]  # </s> is an ordinary token here
     (out["endless"] / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    gemma = tm.gemma3_config(tm.tokenizer_size())
+    out["gemma3"] = tm.write_checkpoint(root / "gemma3", gemma, tm.random_weights(gemma, seed=35))
     out["eagle3"] = write_eagle3(root / "eagle3")[0]
     source, _ = hfm.write_hf_checkpoint(root / "deepseek_v3", "deepseek_v3", seed=4)
     hfm.add_mtp(source, family="deepseek_v3", seed=50)
@@ -246,6 +249,11 @@ def test_bad_setups_get_one_line_errors(ckpt, tmp_path):
     for code, _, stderr in finish(start([args, args], tmp_path)):
         assert code == 2 and "Traceback" not in stderr
         assert "hidden states at layers" in stderr and "--shard tensor" in stderr
+    # an architecture mlx-lm can neither shard nor pipeline
+    args = cli(*base, "--model", str(ckpt["gemma3"]))
+    for code, _, stderr in finish(start([args, args], tmp_path)):
+        assert code == 2 and "Traceback" not in stderr
+        assert "cannot shard gemma3_text: mlx-lm has neither" in stderr
     # --shard needs a launcher
     alone = subprocess.run(
         [sys.executable, *cli(*base, "--model", target, "--shard", "tensor")],

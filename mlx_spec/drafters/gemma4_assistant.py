@@ -100,6 +100,7 @@ class Gemma4AssistantDrafter(Drafter):
     """
 
     name = "gemma4-assistant"
+    reads_target_cache = True  # its attention reads the target's K/V (not on a sharded target)
     needs_hidden = True
 
     @property
