@@ -509,10 +509,3 @@ def shared_lines(group: mx.distributed.Group, lines):
         if data == b"\xff":
             return
         yield data.decode()
-
-
-def describe(group: mx.distributed.Group | None) -> dict:
-    """`world_size` and `rank` for reports (1 and 0 when alone)."""
-    if group is None:
-        return {"world_size": 1, "rank": 0}
-    return {"world_size": group.size(), "rank": group.rank()}
