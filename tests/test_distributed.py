@@ -192,6 +192,9 @@ def test_sampled_tokens_on_two_ranks_follow_the_target(ckpt, tmp_path):
     samples = [tuple(t) for t in ranks[0]["tokens"]]
     assert chisquare_pvalue(samples, exact) > 1e-3
     assert ranks[0]["accepted"] > 0  # rejection sampling accepted drafts, and rejected some
+    # negative control: a verifier that accepts every draft fails the same test
+    broken = run_job(tmp_path, {**job, "negative_control": "gross"})
+    assert chisquare_pvalue([tuple(t) for t in broken[0]["tokens"]], exact) < 1e-3
 
 
 def cli(*args: str) -> list[str]:
