@@ -707,7 +707,9 @@ def _add_serve(sub) -> None:
         "/v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health. "
         "Requests choose speculation with the extra field "
         '"speculative": {"enabled": true, "drafter": "ngram", "num_draft": 4}; '
-        "usage.speculative reports acceptance and speed.",
+        "usage.speculative reports acceptance and speed. Under mlx.launch the target is "
+        "split over the ranks (--shard); rank 0 answers HTTP and the others follow its "
+        "batches.",
     )
     p.add_argument(
         "--model",
@@ -773,6 +775,7 @@ def _add_serve(sub) -> None:
         metavar="N",
         help="finished requests' caches kept at most (default 32)",
     )
+    _add_shard_flag(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -786,15 +789,11 @@ def _byte_count(text: str) -> int:
 
 
 def cmd_serve(args) -> int:
-    from mlx_spec.server import ServerConfig, create_app, drafter_factories
+    from mlx_spec.server import ServerConfig, create_app, drafter_factories, follow
 
     import uvicorn
 
-    if getattr(args, "group", None) is not None:
-        raise ValueError(
-            "serve does not run under a distributed launcher yet: serve the model from one "
-            "machine, or use generate / chat / bench across machines"
-        )
+    group = getattr(args, "group", None)
     for name in ("max_tokens_limit", "max_request_bytes", "max_concurrent", "port", "prefill_step"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -804,7 +803,7 @@ def cmd_serve(args) -> int:
         _demo_defaults(args)
         if getattr(args, "all_drafters", None):  # every drafter of the pair, "all" by default
             args.draft_model, args.mtp = args.all_drafters[0], ""
-    model, tokenizer = mlx_spec.load(args.model)
+    model, tokenizer = _load_target(args)
     mtp = None if args.mtp is None else (args.mtp or args.model)
     drafters = drafter_factories(
         model, tokenizer, draft_model=args.draft_model, mtp=mtp, assistant=args.assistant,
@@ -833,6 +832,9 @@ def cmd_serve(args) -> int:
         batching=not args.no_batching,
         max_kv_bytes=args.max_kv_bytes or None,
     )
+    if group is not None and group.rank() != 0:  # rank 0 answers; this rank runs its turns
+        follow(model, tokenizer, config, drafters)
+        return 0
     app = create_app(model, tokenizer, config, drafters)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(

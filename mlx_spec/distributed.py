@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import os
 import signal
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 SHARD_MODES = ("auto", "tensor", "pipeline")
@@ -492,20 +494,72 @@ def lost_peer(exc: BaseException) -> bool:
     )
 
 
+def share_bytes(sync: Sync, data: bytes | None) -> bytes:
+    """Rank 0's `data` on every rank (the other ranks pass None): its length, then its bytes
+    packed four to an int32 (two collectives; one when it is empty)."""
+    (length,) = sync.share_ints([0 if data is None else len(data)])
+    if length == 0:
+        return b""
+    words = (length + 3) // 4
+    if sync.rank == 0:
+        packed = np.frombuffer(data.ljust(words * 4, b"\0"), dtype=np.int32)
+    else:
+        packed = np.zeros(words, np.int32)
+    out = sync.share(mx.array(packed))
+    mx.eval(out)
+    return np.array(out, dtype=np.int32).tobytes()[:length]
+
+
 def shared_lines(group: mx.distributed.Group, lines):
     """Rank 0's input lines on every rank (the other ranks never read their own input)."""
     sync = Sync(Sharding(group, "lines"))
     source = iter(lines) if group.rank() == 0 else None
     while True:
-        data = b""
+        data = None
         if source is not None:
             line = next(source, None)
             data = b"\xff" if line is None else line.encode()
-        (length,) = sync.share_ints([len(data)])
-        if length == 0:
-            yield ""
-            continue
-        data = bytes(sync.share_ints(list(data) if source is not None else [0] * length))
+        data = share_bytes(sync, data)
         if data == b"\xff":
             return
         yield data.decode()
+
+
+def agreed_bytes(group: mx.distributed.Group, nbytes: int, least: bool = False) -> int:
+    """The largest (`least`: the smallest) of the ranks' byte counts, in whole KiB, the same
+    on every rank.
+
+    A rank holds its part of a sharded target's caches (pipeline stages: different parts), so
+    its own count would evict or admit differently from the others'. Decisions taken on the
+    agreed counts are taken alike everywhere: the fullest rank's bytes against the smallest
+    rank's limit.
+    """
+    settle_streams()
+    kib = -(-nbytes // 1024)
+    if least:
+        out = -mx.distributed.all_max(mx.array([-kib], mx.int32), group=group)
+    else:
+        out = mx.distributed.all_max(mx.array([kib], mx.int32), group=group)
+    return int(out.item()) * 1024
+
+
+class Lockstep:
+    """Rank 0's engine turns, replayed on the other ranks.
+
+    Rank 0 runs the server and decides each turn of its engine (the requests it admits, with
+    everything needed to rebuild them; the ones whose clients left); `send` shares the turn,
+    and the other ranks `receive` it and run the same turn, so every rank builds the same
+    batches and passes in the same order. A turn with nothing new costs one collective.
+    """
+
+    def __init__(self, sharding: Sharding):
+        self.sync = Sync(sharding)
+        self.rank = sharding.rank
+
+    def send(self, turn: dict) -> None:
+        quiet = not any(turn.values())
+        share_bytes(self.sync, b"" if quiet else json.dumps(turn).encode())
+
+    def receive(self) -> dict:
+        data = share_bytes(self.sync, None)
+        return json.loads(data) if data else {}

@@ -18,6 +18,11 @@ and one decoding step of the batch:
 Requests join and leave between steps. A finished row's caches go to the `RowCache` (a prompt
 cache) so that a later request sharing its prefix (a conversation's next turn) prefills only
 what is new. Everything runs on the caller's thread (the server's engine thread).
+
+On a target sharded over several ranks every rank runs the same engine on the same requests
+(see `scheduler.Lockstep`); what could differ between ranks is rank 0's and shared: the
+policy's choice (it rests on each rank's clock), every token drawn, the drafts fed and each
+row's outcome, and the byte counts that admission and the prompt cache decide on.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from mlx_spec import distributed
 from mlx_spec.api import OutputCutter
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_drafters import BatchDrafter, DraftBlock
-from mlx_spec.batch_policy import BatchDraftPolicy, RowAsk
+from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
 from mlx_spec.batch_sampling import (
     RowRandom,
     batch_probs,
@@ -153,11 +159,19 @@ class BatchEngine:
         self.drafters = drafters
         self.names = list(drafters)
         self.max_batch, self.max_draft, self.prefill_step = max_batch, max_draft, prefill_step
+        self.sync = distributed.sync_for(model)  # a sharded target's sharing, else None
         self.max_kv_bytes = max_kv_bytes
         self.token_bytes = {None: token_bytes(model)}  # per drafter name (None: the target)
         for name, drafter in drafters.items():
             if hasattr(drafter, "cache"):
                 self.token_bytes[name] = token_bytes(drafter.model, drafter.needs_hidden)
+        if self.sync is not None:  # decided alike on every rank
+            group = self.sync.group
+            self.token_bytes = {
+                n: distributed.agreed_bytes(group, b) for n, b in self.token_bytes.items()
+            }
+            if max_kv_bytes is not None:
+                self.max_kv_bytes = distributed.agreed_bytes(group, max_kv_bytes, least=True)
         self.context = context_limit(model)
         self.row_cache = row_cache
         self.needs_hidden = any(d.needs_hidden for d in drafters.values())
@@ -183,6 +197,8 @@ class BatchEngine:
         name = "+".join(self.names[a] for a in arms) if arms else "none"
         stats = SpecStats(drafter=name, num_draft=request.num_draft if arms else 0)
         stats.prompt_tokens = len(request.prompt)
+        if self.sync is not None:
+            stats.world_size = self.sync.size
         greedy = request.sampling.greedy
         row = _Row(
             self._next_id,
@@ -402,7 +418,7 @@ class BatchEngine:
 
     def _decode(self) -> None:
         rows = list(self.active)
-        choice = self.policy.choose([self._ask(r) for r in rows])
+        choice = self._shared(self.policy.choose([self._ask(r) for r in rows]))
         plain = not any(k for _, k in choice.rows)
         ids = [r.id for r in rows]
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
@@ -411,13 +427,24 @@ class BatchEngine:
                 return  # choose again, for the rows there are now
             # The rows drafting K as chosen, each as far as it can now that it has one token
             # more (its budget and lookup moved on).
-            choice = self.policy.replan([self._ask(r) for r in rows], choice)
+            choice = self._shared(self.policy.replan([self._ask(r) for r in rows], choice))
         if plain:
             self._plain_step(rows, choice)
         else:
             self._speculative_step(rows, choice)
         for row in [r for r in self.active if r.done]:
             self._remove(row, keep_cache=True)
+
+    def _shared(self, choice: BatchChoice) -> BatchChoice:
+        """Rank 0's choice on every rank of a sharded target (the choice itself otherwise)."""
+        if self.sync is None:
+            return choice
+        flat = [choice.num_draft, int(choice.probe), choice.catch_up]
+        for arm, k in choice.rows:
+            flat += [-1 if arm is None else arm, k]
+        flat = self.sync.share_ints(flat)
+        rows = [(None if a < 0 else a, k) for a, k in zip(flat[3::2], flat[4::2], strict=True)]
+        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2])
 
     # --- plain steps, pipelined -------------------------------------------------------------
 
@@ -448,6 +475,8 @@ class BatchEngine:
 
     def _launch(self, rows: list[_Row], tokens: mx.array) -> _Ahead:
         """Queue a plain pass of every row over `[B]` tokens; its draws stay lazy."""
+        if self.sync is not None and self.sync.eager_inputs:
+            mx.eval(tokens)  # a pipeline stage's input may not wait on a collective
         self.cache.begin([1] * len(rows))
         logits = self.model(tokens[:, None], cache=self.cache.layers)[:, 0, : self.vocab]
         self.cache.end([1] * len(rows))
@@ -459,9 +488,11 @@ class BatchEngine:
     def _draw(self, rows: list[_Row], logits: mx.array) -> mx.array:
         """`[B]` next tokens from `[B, V]` logits, each row with its settings and stream."""
         if all(r.request.sampling.greedy for r in rows):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        probs = batch_probs(logits, [r.request.sampling for r in rows])
-        return draw(probs, gumbel([r.random for r in rows], (logits.shape[-1],)))
+            tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            probs = batch_probs(logits, [r.request.sampling for r in rows])
+            tokens = draw(probs, gumbel([r.random for r in rows], (logits.shape[-1],)))
+        return tokens if self.sync is None else self.sync.share(tokens)
 
     def _settle(self, ahead: _Ahead, choice=None) -> None:
         """Read a queued plain step and hand each row its token (rows that ended since it was
@@ -498,12 +529,17 @@ class BatchEngine:
         lengths = [1 + n for n in counts]
         x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
         if k:
+            if self.sync is not None:  # every rank verifies rank 0's drafts
+                tokens = self.sync.share_input(tokens)
             x = mx.concatenate([x, tokens], axis=1)  # [B, 1 + K], pads past each row's drafts
         self.cache.begin(lengths)
         logits = self.model(x, cache=self.cache.layers)[..., : self.vocab]  # [B, 1 + K, V]
         self.cache.end(lengths)
         hidden = self._tap.hidden if self._tap is not None else None
         accepted, nxt = self._verify(rows, tokens, probs, logits, counts)
+        if self.sync is not None:  # rank 0's outcome, one collective for both
+            both = self.sync.share(mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)]))
+            accepted, nxt = both[0], both[1]
         mx.eval(accepted, nxt, x)
         accepted, nxt, fed = accepted.tolist(), nxt.tolist(), x.tolist()
         targets = self.cache.lengths

@@ -32,6 +32,9 @@ class _LRU:
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self._entries: list = []  # least recently used first
         self.counts = {"hits": 0, "misses": 0, "reused_tokens": 0, "evicted": 0}
+        # On a sharded target: the byte count every rank agrees on (`distributed.agreed_bytes`),
+        # so that every rank keeps and evicts the same entries.
+        self.agree: Callable[[int], int] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -46,6 +49,8 @@ class _LRU:
 
     def _add(self, entry) -> None:
         """Keep an entry (most recently used), then evict down to the limits."""
+        if self.agree is not None:
+            entry.nbytes = self.agree(entry.nbytes)
         self._entries.append(entry)
         total = self.nbytes
         while self._entries and (total > self.max_bytes or len(self._entries) > self.max_entries):

@@ -5,6 +5,10 @@ Requests arrive as `Job`s. A job whose target and drafter can be batched becomes
 job (a target with recurrent layers, a drafter that reads the target's cache) runs as a solo
 stream, advanced one round at a time between the batch's steps. Up to `max_concurrent` jobs
 run at once; later ones wait first-in first-out (beyond `max_queued`: 429).
+
+On a target sharded over several ranks, rank 0's engine shares each turn (the jobs it admits,
+as `Job.spec`, and the ones cancelled) through a `Lockstep`; the other ranks' engines
+(`follow=True`) rebuild those jobs with `build` and run the same turns, without clients.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class Job:
     """
 
     open_stream: Callable[[], Iterator[GenerationChunk]] | None
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None
     seed: int | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -50,12 +54,19 @@ class Job:
     batch: Callable[[Callable[[object], None]], BatchRequest] | None = None
     row: object = None  # the job's row in the batch engine
     finished: bool = False
+    # Asked for by `Engine.cancel` at any time; it takes effect (`cancelled`) at a turn's start.
+    cancel_requested: bool = False
+    # What rebuilds the job on another rank (a sharded target's followers), and its number.
+    spec: dict | None = None
+    uid: int = -1
 
     def put(self, item) -> None:
+        if self.loop is None:  # a follower's job: nobody reads it
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancelled = True
+            self.cancel_requested = True
 
 
 CANCELLED = object()  # put on a job's queue when the engine drops it
@@ -73,19 +84,33 @@ class Engine:
         max_concurrent: jobs run at once (batch rows and solo streams together).
         max_queued: waiting jobs at most (more are refused with `QueueFull`).
         batch: the batch engine for batched jobs (None: every job is solo).
+        lockstep: a sharded target's `Lockstep` (None: one process).
+        build: on the ranks that follow rank 0: makes a job from its `spec`.
     """
 
-    def __init__(self, max_concurrent: int = 8, max_queued: int = 256, batch=None):
+    def __init__(
+        self,
+        max_concurrent: int = 8,
+        max_queued: int = 256,
+        batch=None,
+        lockstep=None,
+        build: Callable[[dict], Job] | None = None,
+    ):
         if max_concurrent < 1 or max_queued < 0:
             raise ValueError("max_concurrent must be >= 1 and max_queued >= 0")
         self.max_concurrent, self.max_queued = max_concurrent, max_queued
         self.batch: BatchEngine | None = batch
+        self.lockstep, self.build = lockstep, build
+        self.following = lockstep is not None and lockstep.rank != 0
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._closed = False
+        self._next_uid = 0
+        self.error: BaseException | None = None  # what stopped a follower's thread
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "peak_active": 0}
-        self._thread = threading.Thread(target=self._run, name="mlx-spec-engine", daemon=True)
+        run = self._follow if self.following else self._run
+        self._thread = threading.Thread(target=run, name="mlx-spec-engine", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -94,12 +119,14 @@ class Engine:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queued:
                 raise QueueFull("too many requests are waiting; retry later")
+            job.uid, self._next_uid = self._next_uid, self._next_uid + 1
             self._waiting.append(job)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Stop a job (its client left): its stream is closed and its caches dropped."""
-        job.cancelled = True
+        """Stop a job (its client left): at the next turn its stream is closed and its caches
+        dropped."""
+        job.cancel_requested = True
         with self._cond:
             self._cond.notify()
 
@@ -120,22 +147,69 @@ class Engine:
                     self._cond.wait()
                 if self._closed:
                     break
+                admitted = []
                 while self._waiting and len(self._active) < self.max_concurrent:
                     job = self._waiting.popleft()
-                    if job.cancelled:
+                    if job.cancel_requested:
                         self.counts["cancelled"] += 1
                         job.put(CANCELLED)
                     else:
                         self._active.append(job)
+                        admitted.append(job)
                 peak = max(self.counts["peak_active"], len(self._active))
                 self.counts["peak_active"] = peak
+                cancelled = [j for j in self._active if j.cancel_requested and not j.cancelled]
+                for job in cancelled:
+                    job.cancelled = True
                 turn = list(self._active)
-            self._batch_turn([job for job in turn if job.batch is not None])
-            for job in turn:
-                if job.batch is None:
-                    self._step(job)
+            if self.lockstep is not None:
+                self.lockstep.send(
+                    {
+                        "admit": [[job.uid, job.spec] for job in admitted],
+                        "cancel": [job.uid for job in cancelled],
+                    }
+                )
+            self._turn(turn)
         for job in self._active + list(self._waiting):
             self._finish(job, "cancelled")
+        if self.lockstep is not None:
+            self.lockstep.send({"close": True})
+
+    def _follow(self) -> None:
+        """A follower's loop: rank 0's turns, run here, until rank 0 closes its engine."""
+        jobs: dict[int, Job] = {}
+        try:
+            while True:
+                turn = self.lockstep.receive()
+                if turn.get("close"):
+                    break
+                for uid, spec in turn.get("admit", []):
+                    job = jobs[uid] = self.build(spec)
+                    job.uid = uid
+                    self._active.append(job)
+                for uid in turn.get("cancel", []):
+                    if uid in jobs:
+                        jobs[uid].cancelled = True
+                self._turn(list(self._active))
+                for uid in [uid for uid, job in jobs.items() if job.finished]:
+                    del jobs[uid]
+        except BaseException as exc:  # noqa: BLE001 - reported by `wait`
+            self.error = exc
+        for job in list(self._active):
+            self._finish(job, "cancelled")
+
+    def wait(self) -> None:
+        """A follower: block until rank 0 closes its engine; raise what stopped it early."""
+        while self._thread.is_alive():
+            self._thread.join(timeout=0.5)
+        if self.error is not None:
+            raise self.error
+
+    def _turn(self, turn: list[Job]) -> None:
+        self._batch_turn([job for job in turn if job.batch is not None])
+        for job in turn:
+            if job.batch is None:
+                self._step(job)
 
     # --- batched jobs ----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ Anthropic Messages API is served beside the OpenAI one (`anthropic_api.py`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import os
@@ -25,12 +26,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from mlx_spec import distributed
 from mlx_spec.api import GenerationChunk, encode_prompt
 from mlx_spec.batch_cache import batchable
 from mlx_spec.batch_drafters import BatchDrafter, BatchDraftModel, BatchMTP, BatchNgram
 from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
 from mlx_spec.compat import scored_vocab
-from mlx_spec.drafters.base import Drafter
+from mlx_spec.drafters.base import Drafter, hidden_layer_ids
 from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.mtp import MTPDrafter
@@ -355,11 +357,8 @@ def create_app(
         The app; run it with uvicorn. Its engine thread stops when the app shuts down.
     """
     config = config or ServerConfig()
-    drafters = {"ngram": DrafterFactory(_ngram, BatchNgram), **(drafters or {})}
-    if config.default_drafter is not None and config.default_drafter not in drafters:
-        raise ValueError(f"default drafter {config.default_drafter!r} is not offered")
-    batch = batch_engine(model, tokenizer, config, drafters)
-    engine = Engine(config.max_concurrent, config.max_queued, batch)
+    server = _serving(model, tokenizer, config, drafters)
+    engine, batch = server.engine, server.engine.batch
 
     @asynccontextmanager
     async def lifespan(app):
@@ -368,7 +367,6 @@ def create_app(
 
     app = FastAPI(title="mlx-spec", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
-    server = _Server(model, tokenizer, config, drafters, engine)
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     if config.api_key:
         app.add_middleware(_APIKey, key=config.api_key)
@@ -396,6 +394,8 @@ def create_app(
         status = {"status": "ok", "model": config.model_id, **engine.status()}
         cache = server.prompt_cache if batch is None else batch.row_cache
         status["batching"] = batch is not None
+        sharding = distributed.sharding_of(model)
+        status["world_size"] = 1 if sharding is None else sharding.size
         return {**status, "prompt_cache": cache.status()}
 
     @app.get("/v1/models")
@@ -420,6 +420,57 @@ def create_app(
     anthropic_api.add_routes(app, server)
 
     return app
+
+
+def _serving(model, tokenizer, config: ServerConfig, drafters, follow: bool = False) -> _Server:
+    """The server's state and its engine (started). On a sharded target rank 0's engine shares
+    its turns and the other ranks' engines (`follow`) replay them; every rank builds the same
+    engine in the same order, since building it runs the target (collectives included)."""
+    drafters = {"ngram": DrafterFactory(_ngram, BatchNgram), **(drafters or {})}
+    if config.default_drafter is not None and config.default_drafter not in drafters:
+        raise ValueError(f"default drafter {config.default_drafter!r} is not offered")
+    check_sharded_drafters(model, drafters)
+    batch = batch_engine(model, tokenizer, config, drafters)
+    sharding = distributed.sharding_of(model)
+    lockstep = None if sharding is None else distributed.Lockstep(sharding)
+    servers: list[_Server] = []  # the follower's engine builds jobs with the server below
+    engine = Engine(
+        config.max_concurrent,
+        config.max_queued,
+        batch,
+        lockstep=lockstep,
+        build=(lambda spec: servers[0].job(spec, None)) if follow else None,
+    )
+    server = _Server(model, tokenizer, config, drafters, engine)
+    if sharding is not None:  # the prompt caches keep and evict alike on every rank
+        agree = functools.partial(distributed.agreed_bytes, sharding.group)
+        server.prompt_cache.agree = agree
+        if batch is not None and batch.row_cache is not None:
+            batch.row_cache.agree = agree
+    servers.append(server)
+    return server
+
+
+def follow(model, tokenizer, config: ServerConfig, drafters=None) -> None:
+    """A rank other than 0 of a sharded target: run rank 0's server turns until it stops."""
+    _serving(model, tokenizer, config, drafters, follow=True).engine.wait()
+
+
+def check_sharded_drafters(model: nn.Module, drafters: dict) -> None:
+    """On a sharded target: refuse a drafter that reads the target's K/V cache (split across
+    the ranks) or hidden layers the local rank does not run."""
+    if distributed.sharding_of(model) is None:
+        return
+    for name, make in drafters.items():
+        if name == ALL:
+            continue
+        drafter = make()
+        if getattr(drafter, "reads_target_cache", False):
+            raise ValueError(
+                f"{name} attends over the target's own key/value cache, which a sharded target "
+                "splits across the ranks: serve it from one machine"
+            )
+        distributed.check_layers_local(model, hidden_layer_ids(drafter), name)
 
 
 def _ngram() -> Drafter:
@@ -710,14 +761,14 @@ class _Server:
 
     # ------------------------------------------------------------------ plan -> response
 
-    def _session(self, plan: _Plan) -> Session:
-        """A fresh session (caches and drafter state) for the plan's drafter."""
-        make = None if plan.drafter_name is None else self.drafters[plan.drafter_name]
+    def _session(self, name: str | None, spec: dict) -> Session:
+        """A fresh session (caches and drafter state) for the drafter `name`."""
+        make = None if name is None else self.drafters[name]
         return Session(
             self.model,
             self.tokenizer,
             drafter=None if make is None else make(),
-            num_draft=plan.num_draft,
+            num_draft=spec["num_draft"],
             max_draft=self.config.max_draft,
             check=False,  # the factories checked the drafters' weights once
         )
@@ -752,48 +803,20 @@ class _Server:
     ):
         """Queue the plan on the engine: (job, its first chunk, the task that cancels the job
         when the client disconnects). The first chunk comes after the prefill."""
-        taken: list[Session] = []
-
-        def open_stream():  # on the engine thread
-            session = self.prompt_cache.take(
-                plan.drafter_name, plan.ids, lambda: self._session(plan)
-            )
-            taken.append(session)
-            return session.stream(
-                plan.ids,
-                num_draft=plan.num_draft,
-                max_draft=self.config.max_draft,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                max_tokens=plan.max_tokens,
-                stop=tuple(plan.stops),
-                prefill_step=self.config.prefill_step,
-            )
-
-        def release(outcome: str) -> None:  # on the engine thread, after the stream closed
-            if taken and outcome != "failed":
-                self.prompt_cache.put(plan.drafter_name, taken[0])
-
-        loop = asyncio.get_running_loop()
-        if self._batched(plan):
-            sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-
-            def batch_request(emit) -> BatchRequest:  # on the engine thread
-                return BatchRequest(
-                    plan.ids,
-                    sampling,
-                    plan.max_tokens,
-                    emit,
-                    stop=tuple(plan.stops),
-                    drafter=plan.drafter_name,
-                    num_draft=plan.num_draft,
-                    seed=seed,
-                )
-
-            job = Job(None, loop, seed=seed, batch=batch_request)
-        else:
-            job = Job(open_stream, loop, seed=seed, release=release)
+        if seed is None and self.engine.lockstep is not None:  # the ranks must draw alike
+            seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+        spec = {
+            "ids": plan.ids,
+            "max_tokens": plan.max_tokens,
+            "stops": list(plan.stops),
+            "drafter": plan.drafter_name,
+            "num_draft": plan.num_draft,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "seed": seed,
+        }
+        job = self.job(spec, asyncio.get_running_loop())
         try:
             self.engine.submit(job)
         except QueueFull as exc:
@@ -809,9 +832,59 @@ class _Server:
             raise
         return job, first, watcher
 
-    def _batched(self, plan: _Plan) -> bool:
-        """Whether the plan runs as a row of the batch engine (its drafter can be batched)."""
-        batch, name = self.engine.batch, plan.drafter_name
+    def job(self, spec: dict, loop) -> Job:
+        """The engine job for a request's `spec` (a JSON-able dict: every rank of a sharded
+        target builds the same job from it); `loop`: where its chunks go (None: nowhere)."""
+        seed, name = spec["seed"], spec["drafter"]
+        if self._batched(name):
+            sampling = SamplingConfig(
+                temperature=spec["temperature"], top_k=spec["top_k"], top_p=spec["top_p"]
+            )
+
+            def batch_request(emit) -> BatchRequest:  # on the engine thread
+                return BatchRequest(
+                    spec["ids"],
+                    sampling,
+                    spec["max_tokens"],
+                    emit,
+                    stop=tuple(spec["stops"]),
+                    drafter=name,
+                    num_draft=spec["num_draft"],
+                    seed=seed,
+                )
+
+            job = Job(None, loop, seed=seed, batch=batch_request)
+            job.spec = spec
+            return job
+        taken: list[Session] = []
+
+        def open_stream():  # on the engine thread
+            session = self.prompt_cache.take(name, spec["ids"], lambda: self._session(name, spec))
+            taken.append(session)
+            return session.stream(
+                spec["ids"],
+                num_draft=spec["num_draft"],
+                max_draft=self.config.max_draft,
+                temperature=spec["temperature"],
+                top_p=spec["top_p"],
+                top_k=spec["top_k"],
+                max_tokens=spec["max_tokens"],
+                stop=tuple(spec["stops"]),
+                prefill_step=self.config.prefill_step,
+            )
+
+        def release(outcome: str) -> None:  # on the engine thread, after the stream closed
+            if taken and outcome != "failed":
+                self.prompt_cache.put(name, taken[0])
+
+        job = Job(open_stream, loop, seed=seed, release=release)
+        job.spec = spec
+        return job
+
+    def _batched(self, name: str | None) -> bool:
+        """Whether requests drafting with `name` run as rows of the batch engine (its drafter
+        can be batched)."""
+        batch = self.engine.batch
         return batch is not None and (name is None or name == ALL or name in batch.drafters)
 
     async def _watch(self, request: Request, job: Job) -> None:
@@ -938,5 +1011,6 @@ def usage(stats: SpecStats, prompt_tokens: int) -> dict:
             "mean_accepted_length": stats.mean_accepted_length,
             "target_passes": stats.target_passes,
             "decode_tokens_per_sec": stats.decode_tokens_per_sec,
+            "world_size": stats.world_size,
         },
     }

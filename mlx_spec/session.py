@@ -181,6 +181,8 @@ class Session:
             num_draft=draft_label(num_draft),
             prompt_tokens=len(ids),
         )
+        if self.target.sync is not None:
+            stats.world_size = self.target.sync.size
         self.last_stats = stats
         if self._broken:  # an earlier turn failed midway: what the caches hold is unknown
             self._reset_target(stats, keep_drafter=False)

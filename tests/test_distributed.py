@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx_spec
@@ -23,6 +25,7 @@ from convert import convert_checkpoint
 from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
+import httpx
 import pytest
 import tinymodels as tm
 from chisquare import chisquare_pvalue, exact_first_tokens
@@ -263,3 +266,85 @@ def test_bad_setups_get_one_line_errors(ckpt, tmp_path):
         capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert alone.returncode == 2 and "mlx.launch" in alone.stderr
+
+
+def wait_for_health(url: str, procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            errors = "".join(p.stderr.read() for p in procs)
+            pytest.fail(f"a rank of the server exited:\n{errors[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    for p in procs:
+        p.kill()
+    pytest.fail("the 2-rank server did not start")
+
+
+@pytest.mark.parametrize(
+    "shard,batching", [("tensor", True), ("pipeline", True), ("tensor", False)]
+)
+def test_serve_on_two_ranks(ckpt, tmp_path, shard, batching):
+    """`mlx-spec serve` on 2 ranks: rank 0 answers; concurrent requests of different lengths
+    (plain, the draft model at a fixed k, n-gram lookup chosen by the policy) run as one
+    batch on the sharded target and each equals single-process plain decoding; a client that
+    leaves mid-stream frees its row on every rank; a seeded sampled request is reproducible;
+    stopping rank 0 stops the other rank cleanly, which printed nothing. Without batching the
+    requests are solo streams advanced in turn, in the same order on both ranks."""
+    (port,) = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    args = cli("serve", "--model", str(ckpt["target"]), "--draft-model", str(ckpt["draft"]),
+               "--port", str(port), "--shard", shard, "--max-tokens-limit", "64")  # fmt: skip
+    args += [] if batching else ["--no-batching"]
+    procs = start([args, args], tmp_path)
+    try:
+        wait_for_health(url, procs)
+        target, tokenizer = mlx_spec.load(str(ckpt["target"]))
+        prompts = [PROMPT, PROMPT[2:], [7, 8, 9, 7, 8, 9, 7], PROMPT[::-1], [5, 6]]
+        lengths = [30, 9, 24, 17, 5]
+        options = [None, {"drafter": "draft-model", "num_draft": 3}, {"drafter": "ngram"},
+                   {"drafter": "draft-model", "num_draft": "auto"}, {"enabled": False}]  # fmt: skip
+
+        def ask(i: int):
+            body = {"model": "target", "prompt": prompts[i], "max_tokens": lengths[i],
+                    "temperature": 0}  # fmt: skip
+            if options[i] is not None:
+                body["speculative"] = {"enabled": True, **options[i]}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).json()
+
+        def left_midway() -> None:  # a client that reads one event and hangs up
+            body = {"model": "target", "prompt": PROMPT, "max_tokens": 60, "stream": True,
+                    "speculative": {"enabled": True, "drafter": "ngram"}}  # fmt: skip
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+                next(r.iter_lines())
+
+        with ThreadPoolExecutor(6) as pool:
+            gone = pool.submit(left_midway)
+            replies = list(pool.map(ask, range(len(prompts))))
+            gone.result()
+        for i, reply in enumerate(replies):
+            plain = mlx_spec.generate(target, tokenizer, prompts[i], max_tokens=lengths[i])
+            assert reply["choices"][0]["text"] == plain.text, (i, reply)
+        for reply in replies:
+            assert reply["usage"]["speculative"]["world_size"] == 2
+        assert replies[1]["usage"]["speculative"]["drafted_tokens"] > 0
+        spec = {"drafter": "draft-model", "num_draft": 2}  # a fixed k: its draws are its own
+        sampled = {"model": "target", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0,
+                   "seed": 7, "speculative": spec}  # fmt: skip
+        texts = [httpx.post(f"{url}/v1/completions", json=sampled, timeout=TIMEOUT).json()
+                 for _ in range(2)]  # fmt: skip
+        assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        # the client that left is cancelled (or had finished first, when the row was fast)
+        assert health["active"] == 0 and health["failed"] == 0
+        assert health["completed"] + health["cancelled"] == len(prompts) + 3
+        assert health["world_size"] == 2 and health["batching"] is batching
+    finally:
+        procs[0].send_signal(signal.SIGINT)
+        (zero, _, err0), (one, out1, err1) = finish(procs, timeout=60)
+    assert zero == 0 and one == 0, err0[-2000:] + err1[-2000:]
+    assert out1 == "" and err1 == ""
