@@ -108,7 +108,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import mlx_spec
-from mlx_spec import _blas, embedded
+from mlx_spec import _blas, distributed, embedded
 from mlx_spec.api import SOURCE_ATTR, encode_prompt
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Draft, Drafter
@@ -690,6 +690,7 @@ class BenchResult:
     matches_plain: bool | None = None
     generations: int = 0
     nodes_per_pass: float | None = None  # tree modes: tokens a tree round's pass scores
+    comm_ms_per_pass: float | None = None  # a sharded target: priced collectives per pass
     stats: SpecStats | None = field(default=None, repr=False)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
 
@@ -839,7 +840,7 @@ class BenchReport:
             f"Python {h['python']}",
             f"- target: {h['target']}",
         ]
-        for key in ("draft_model", "mtp"):
+        for key in ("sharded", "draft_model", "mtp"):
             if h.get(key):
                 lines.append(f"- {key.replace('_', ' ')}: {h[key]}")
         lines += [
@@ -865,6 +866,14 @@ class BenchReport:
                 f"| {r.prefill_tokens_per_sec:.0f} | {r.peak_memory_mb:.0f} | {rollback} "
                 f"| {k_shares(r) if r.num_draft == AUTO else '-'} |"
             )
+        comm = [
+            f"{r.label} T={r.temperature:g} {r.comm_ms_per_pass:.2f}"
+            for r in self.results
+            if r.comm_ms_per_pass is not None
+        ]
+        if comm:
+            lines += ["", "Communication of the sharded target, ms per pass (priced "
+                      "collectives): " + ", ".join(comm)]  # fmt: skip
         peer_rows = [r for r in self.results if r.mode == DRAFT_MODEL and r.vs_mlx_lm]
         if peer_rows:
             lines += [
@@ -1005,6 +1014,9 @@ def _load(config: BenchConfig) -> _Loaded:
     model, tokenizer = mlx_spec.load(model_path, shard=config.shard)
     what = " (the embedded demo pair)" if config.model is None else ""
     header = {"target": f"{_shown(model_path)}{what} ({param_count(model) / 1e6:.1f}M parameters)"}
+    sharding = distributed.sharding_of(model)
+    if sharding is not None:
+        header["sharded"] = f"{sharding.mode} parallel over {sharding.size} ranks"
     notes = []
     draft = None
     if draft_path is not None and any(_wants(config, m) for m in (DRAFT_MODEL, PEER, DRAFT_TREE)):
@@ -1340,6 +1352,7 @@ def _result(s: _Setting, runs: list[list[Run]], timed: TimedDrafter | None) -> B
         predicted_speedup=None,
         realized_over_predicted=None,
         generations=len(flat),
+        comm_ms_per_pass=stats.comm_seconds_per_pass * 1e3 if stats.world_size > 1 else None,
         k_histogram={str(k): n for k, n in sorted(stats.k_histogram.items())},
         drafter_rounds=dict(stats.drafter_rounds),
         stats=stats,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -141,6 +142,13 @@ def test_markdown_table(self_draft_report):
     )
     assert "auto, ngram T=0:" in text
     assert "BLAS" in text and "mlx-spec / mlx-lm" in text
+    assert "Communication of the sharded target" not in text  # one process: no line
+    sharded = copy.deepcopy(self_draft_report)
+    sharded.header["sharded"] = "tensor parallel over 2 ranks"
+    sharded.results[0].comm_ms_per_pass = 5.25
+    text = sharded.to_markdown()
+    assert "- sharded: tensor parallel over 2 ranks" in text
+    assert f"ms per pass (priced collectives): {sharded.results[0].label} T=0 5.25" in text
 
 
 def test_cli_quick(checkpoints, prompts_file, tmp_path):
