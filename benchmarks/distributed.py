@@ -7,7 +7,10 @@ The embedded demo pair's target is split over 2 ranks (tensor parallel, MLX's ri
 decoding and each drafter (its draft model, n-gram lookup, its MTP head; k chosen every round):
 decode tokens/s, speedup over plain on the same ranks, tokens per target pass E, the
 collectives of a pass and their priced time (`SpecStats.comm_seconds_per_pass`). The same modes
-run in one process first, for the single-machine numbers beside them.
+run in one process first, for the single-machine numbers beside them. The peer on the same
+footing: mlx-lm's own plain decoding (`mlx_lm.stream_generate`, its reported generation
+tokens/s) over the very same shards, in the same processes, interleaved with the modes (mlx-lm
+refuses a draft model in distributed mode, so plain decoding is the peer there is).
 
 The cost model: with per-pass compute t1 (plain) and tk (a speculative round: drafting plus the
 verify pass), each measured here with the loopback communication taken out, and a pass paying
@@ -43,7 +46,10 @@ from mlx_spec.bench import builtin_prompts
 from mlx_spec.embedded import converted_pair
 from mlx_spec.stats import merge_stats
 
+from mlx_lm import stream_generate
+
 MODES = ("plain", "draft-model", "ngram", "mtp")
+PEER = "mlx-lm plain"
 # Per-collective latency of a small all-reduce between 2 machines, by link. These are assumed
 # order-of-magnitude figures, not measured here: kernel TCP round trips on 10 GbE are tens of
 # microseconds plus the ring's own software overhead; Thunderbolt 5 carries TCP/IP (the
@@ -68,18 +74,25 @@ def measure(model, tokenizer, draft_dir: str, prompts, max_tokens: int, repeats:
         "mtp": mlx_spec.load_mtp_drafter(str(model._mlx_spec_source), model),
     }
     runs: dict[str, list] = {mode: [] for mode in MODES}
+    peer: list[tuple[int, float]] = []  # (tokens, seconds) of mlx-lm's generations
 
     def once(mode, ids):
         return mlx_spec.generate(
             model, tokenizer, ids, drafter=drafters[mode], max_tokens=max_tokens
         ).stats
 
+    def peer_once(ids) -> tuple[int, float]:
+        *_, last = stream_generate(model, tokenizer, ids, max_tokens=max_tokens)
+        return last.generation_tokens, last.generation_tokens / last.generation_tps
+
     for mode in MODES:  # warm-up: compile, fill the drafters' and policies' memories
         once(mode, prompts[0].ids)
+    peer_once(prompts[0].ids)
     for _ in range(repeats):
         for prompt in prompts:
             for mode in MODES:
                 runs[mode].append(once(mode, prompt.ids))
+            peer.append(peer_once(prompt.ids))
     out = {}
     for mode in MODES:
         s = merge_stats(runs[mode])
@@ -94,8 +107,10 @@ def measure(model, tokenizer, draft_dir: str, prompts, max_tokens: int, repeats:
             "comm_seconds_per_pass": s.comm_seconds_per_pass,
             "world_size": s.world_size,
         }
+    tokens, seconds = (sum(x) for x in zip(*peer, strict=True))
+    out[PEER] = {"tokens_per_sec": tokens / seconds, "generated": tokens}
     plain = out["plain"]["tokens_per_sec"]
-    for mode in MODES:
+    for mode in (*MODES, PEER):
         out[mode]["speedup"] = out[mode]["tokens_per_sec"] / plain
     return out
 
@@ -126,12 +141,11 @@ def launch(args, ranks: int) -> dict:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
         out = Path(tmp) / "rank0.json"
         argv = [sys.executable, __file__, "--worker", str(out), *sys.argv[1:]]
-        procs = [
-            subprocess.Popen(
-                argv, env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}
-            )
-            for r in range(ranks)
-        ]
+        # The ranks share this machine's cores: each gets its part for BLAS threads (OpenBLAS
+        # threads spin; more threads than cores make every pass wait on the scheduler).
+        threads = os.environ.get("OPENBLAS_NUM_THREADS") or str(max(1, os.cpu_count() // ranks))
+        env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "OPENBLAS_NUM_THREADS": threads}
+        procs = [subprocess.Popen(argv, env={**env, "MLX_RANK": str(r)}) for r in range(ranks)]
         codes = [p.wait() for p in procs]
         if any(codes):
             raise SystemExit(f"a rank failed: exit codes {codes}")
@@ -176,6 +190,11 @@ def markdown(result: dict, ranks: int) -> str:
             f"{b['tokens_per_sec']:.1f} | {b['speedup']:.2f}x | {b['tokens_per_pass']:.2f} | "
             f"{b['collectives_per_pass']:.1f} | {b['comm_seconds_per_pass'] * 1e3:.2f} |"
         )
+    a, b = single[PEER], shared[PEER]
+    lines.append(
+        f"| {PEER} (peer) | {a['tokens_per_sec']:.1f} | {a['speedup']:.2f}x | "
+        f"{b['tokens_per_sec']:.1f} | {b['speedup']:.2f}x | 1.00 | - | - |"
+    )
     lines += ["", "| mode | " + " | ".join(LINKS) + " | limit (E) |"]
     lines.append("| --- |" + " ---: |" * (len(LINKS) + 1))
     for mode, m in result["cost_model"].items():
@@ -220,6 +239,8 @@ def main() -> int:
         "ranks": args.ranks, "prompts": args.prompts, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "shard": "tensor", "backend": "ring (loopback)",
         "seconds": time.perf_counter() - tic, "links": LINKS,
+        "blas_threads_per_rank": os.environ.get("OPENBLAS_NUM_THREADS")
+        or max(1, os.cpu_count() // args.ranks),
     }  # fmt: skip
     print(markdown(result, args.ranks))
     if args.json:

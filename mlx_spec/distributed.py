@@ -44,6 +44,7 @@ SHARD_MODES = ("auto", "tensor", "pipeline")
 LLAMA_LAYOUT = frozenset({"mimo"})
 SHARDING_ATTR = "_mlx_spec_sharding"  # on a sharded target: its `Sharding`
 UNSHARDED_ATTR = "_mlx_spec_unsharded"  # on a sharded target: the whole (lazy) model
+MIN_SHARED = 8  # elements a shared array is padded to (see `Sync.share`)
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_JACCL_COORDINATOR")
 
 
@@ -263,10 +264,18 @@ class Sync:
     def share(self, x: mx.array) -> mx.array:
         """Rank 0's integers `x` on every rank, lazily: an all-sum of `x` with `x * 0` on the
         other ranks. (Not zeros: the zeros would not depend on `x`, the other ranks' graphs
-        would differ from rank 0's, and their collectives could run in another order.)"""
-        mine = x.astype(mx.int32)
+        would differ from rank 0's, and their collectives could run in another order.)
+
+        A one-element all-sum over the ring backend takes milliseconds where a few elements
+        take a tenth of that (measured on loopback after a pass's larger collectives), so
+        short arrays are padded to `MIN_SHARED` elements."""
+        mine = x.astype(mx.int32).reshape(-1)
         mine = mine if self.rank == 0 else mine * 0
-        return mx.distributed.all_sum(mine, group=self.group).astype(x.dtype)
+        size = mine.size
+        if size < MIN_SHARED:
+            mine = mx.concatenate([mine, mx.zeros((MIN_SHARED - size,), mx.int32)])
+        out = mx.distributed.all_sum(mine, group=self.group)
+        return out[:size].reshape(x.shape).astype(x.dtype)
 
     def share_input(self, x: mx.array) -> mx.array:
         """`share(x)` for tokens that feed the target's next pass."""
@@ -536,11 +545,9 @@ def agreed_bytes(group: mx.distributed.Group, nbytes: int, least: bool = False) 
     """
     settle_streams()
     kib = -(-nbytes // 1024)
-    if least:
-        out = -mx.distributed.all_max(mx.array([-kib], mx.int32), group=group)
-    else:
-        out = mx.distributed.all_max(mx.array([kib], mx.int32), group=group)
-    return int(out.item()) * 1024
+    mine = mx.full((MIN_SHARED,), -kib if least else kib, mx.int32)  # padded: `Sync.share`
+    most = int(mx.distributed.all_max(mine, group=group)[0].item())
+    return (-most if least else most) * 1024
 
 
 class Lockstep:
