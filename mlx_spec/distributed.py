@@ -268,12 +268,13 @@ class Sync:
 
         A one-element all-sum over the ring backend takes milliseconds where a few elements
         take a tenth of that (measured on loopback after a pass's larger collectives), so
-        short arrays are padded to `MIN_SHARED` elements."""
+        short arrays are padded to `MIN_SHARED` elements (or one per rank, if more);
+        `benchmarks/collectives.py` measures it."""
         mine = x.astype(mx.int32).reshape(-1)
         mine = mine if self.rank == 0 else mine * 0
-        size = mine.size
-        if size < MIN_SHARED:
-            mine = mx.concatenate([mine, mx.zeros((MIN_SHARED - size,), mx.int32)])
+        size, least = mine.size, max(MIN_SHARED, self.size)
+        if size < least:
+            mine = mx.concatenate([mine, mx.zeros((least - size,), mx.int32)])
         out = mx.distributed.all_sum(mine, group=self.group)
         return out[:size].reshape(x.shape).astype(x.dtype)
 
@@ -355,9 +356,10 @@ def _install_counters() -> None:
 class CommLedger:
     """Collectives built while counting, priced by a start-up probe over the same group.
 
-    The probe times chains of all-sums of a small and a large buffer on this group; a
-    collective of n bytes is priced at latency + n / bandwidth from the two. The price is an
-    estimate: a collective's time inside a pass overlaps with compute the probe does not see.
+    The probe times chains of all-sums of a small and a large buffer on this group (the
+    fastest of three chains each); a collective of n bytes is priced at latency + n / bandwidth
+    from the two. The price is an estimate: a collective's time inside a pass overlaps with
+    compute the probe does not see.
     """
 
     _BY_GROUP: dict[int, CommLedger] = {}
@@ -386,8 +388,9 @@ class CommLedger:
             mx.eval(x)
             return (time.perf_counter() - tic) / rounds
 
-        small, large = 1, 1 << 16
-        t_small, t_large = chain(small), chain(large)
+        small, large = MIN_SHARED, 1 << 16  # the least of 3 chains: the link, not the noise
+        t_small = min(chain(small) for _ in range(3))
+        t_large = min(chain(large) for _ in range(3))
         per_byte = max(t_large - t_small, 0.0) / ((large - small) * 4)
         return t_small, per_byte
 
@@ -545,7 +548,8 @@ def agreed_bytes(group: mx.distributed.Group, nbytes: int, least: bool = False) 
     """
     settle_streams()
     kib = -(-nbytes // 1024)
-    mine = mx.full((MIN_SHARED,), -kib if least else kib, mx.int32)  # padded: `Sync.share`
+    width = max(MIN_SHARED, group.size())  # padded as `Sync.share` pads
+    mine = mx.full((width,), -kib if least else kib, mx.int32)
     most = int(mx.distributed.all_max(mine, group=group)[0].item())
     return (-most if least else most) * 1024
 
