@@ -498,6 +498,23 @@ def watch_for_lost_ranks(rank: int, grace: float = 3.0) -> None:
     atexit.register(restore)
 
 
+def abort(message: str, delay: float = 0.0) -> None:
+    """End this process after `delay` seconds (from a thread that cannot raise to the
+    command: the server's engine), with one line on the terminal."""
+    rank = os.environ.get("MLX_RANK", "?")
+    line = f"mlx-spec: error: rank {rank}: {message}\n".encode()
+
+    def end() -> None:
+        os.write(_TERMINAL[0], line)
+        os._exit(1)
+
+    if delay <= 0:
+        end()
+    timer = threading.Timer(delay, end)
+    timer.daemon = True
+    timer.start()
+
+
 def lost_peer(exc: BaseException) -> bool:
     """Whether an exception from MLX means a rank of the group is gone."""
     text = str(exc)

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mlx_spec.api import GenerationChunk
+from mlx_spec.distributed import abort, lost_peer
 from mlx_spec.engine import BatchEngine, BatchRequest
 from mlx_spec.session import PREFILLING
 
@@ -141,6 +142,21 @@ class Engine:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        try:
+            self._lead()
+        except BaseException as exc:  # noqa: BLE001
+            if self.lockstep is None:
+                raise
+            # A sharded target's collective failed (a rank is gone): nothing can run now.
+            with self._cond:
+                self._closed = True
+                jobs = self._active + list(self._waiting)
+            for job in jobs:
+                job.put(ShuttingDown("a rank of the distributed run was lost; the server stops"))
+            why = "a rank of the distributed run was lost" if lost_peer(exc) else repr(exc)
+            abort(f"{why}; the server stops", delay=1.0)  # time for the answers to leave
+
+    def _lead(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._active or self._waiting):

@@ -903,6 +903,8 @@ class _Server:
             raise APIError(499, "the client closed the request", code="client_closed")
         if isinstance(item, ValueError):
             raise APIError(400, str(item))
+        if isinstance(item, ShuttingDown):
+            raise APIError(503, str(item), code="shutting_down")
         if isinstance(item, Exception):
             raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
         return item

@@ -348,3 +348,25 @@ def test_serve_on_two_ranks(ckpt, tmp_path, shard, batching):
         (zero, _, err0), (one, out1, err1) = finish(procs, timeout=60)
     assert zero == 0 and one == 0, err0[-2000:] + err1[-2000:]
     assert out1 == "" and err1 == ""
+
+
+def test_a_server_that_loses_a_rank_stops(ckpt, tmp_path):
+    """Rank 1 of a 2-rank server is killed: the next request gets a 503 saying so, and rank 0
+    exits with one line (no traceback) instead of serving requests it can no longer run."""
+    (port,) = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    args = cli("serve", "--model", str(ckpt["target"]), "--port", str(port), "--shard", "tensor")
+    procs = start([args, args], tmp_path)
+    wait_for_health(url, procs)
+    procs[1].kill()
+    body = {"model": "target", "prompt": "abc", "max_tokens": 8}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 503 and "a rank of the distributed run was lost" in reply.text
+    (code, _, stderr), _ = finish(procs, timeout=30)
+    lines = [line for line in stderr.splitlines() if line.startswith("mlx-spec: error")]
+    assert (
+        code == 1
+        and len(lines) == 1
+        and "rank 0: a rank of the distributed run was lost" in lines[0]
+    )
+    assert "Traceback" not in stderr
