@@ -151,9 +151,9 @@ class Engine:
             with self._cond:
                 self._closed = True
                 jobs = self._active + list(self._waiting)
-            for job in jobs:
-                job.put(ShuttingDown("a rank of the distributed run was lost; the server stops"))
             why = "a rank of the distributed run was lost" if lost_peer(exc) else repr(exc)
+            for job in jobs:
+                job.put(ShuttingDown(f"{why}; the server stops"))
             abort(f"{why}; the server stops", delay=1.0)  # time for the answers to leave
 
     def _lead(self) -> None:
