@@ -887,6 +887,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_third_parties()
     args.group = None
+    code = _main(args)
+    if args.group is not None:  # a launched rank: out without tearing the group down
+        distributed.leave(code)
+    return code
+
+
+def _main(args) -> int:
+    from mlx_spec import distributed
+
     try:
         if args.command != "info":
             args.group = distributed.world()
