@@ -452,14 +452,7 @@ def stream_generate(
         return
     if drafter is not None:
         drafter.check_compatible(whole, tokenizer, vocab)
-        distributed.check_layers_local(model, hidden_layer_ids(drafter), drafter.name)
-        if sync is not None:
-            for one in getattr(drafter, "drafters", [drafter]):
-                if getattr(one, "reads_target_cache", False):
-                    raise ValueError(
-                        f"{one.name} attends over the target's own key/value cache, which a "
-                        "sharded target splits across the ranks: run it on one machine"
-                    )
+        distributed.check_drafter(model, drafter, hidden_layer_ids(drafter))
     target = ModelRunner(
         model,
         vocab,

@@ -204,6 +204,21 @@ def check_layers_local(model: nn.Module, layer_ids, what: str) -> None:
         )
 
 
+def check_drafter(model: nn.Module, drafter, layer_ids) -> None:
+    """Refuse, on a sharded target, a drafter (or a member of a group) that attends over the
+    target's own key/value cache (split across the ranks), or that reads `layer_ids` a
+    pipeline stage does not run."""
+    if sharding_of(model) is None:
+        return
+    for one in getattr(drafter, "drafters", [drafter]):
+        if getattr(one, "reads_target_cache", False):
+            raise ValueError(
+                f"{one.name} attends over the target's own key/value cache, which a sharded "
+                "target splits across the ranks: run it on one machine"
+            )
+    check_layers_local(model, layer_ids, drafter.name)
+
+
 # --- agreement between ranks -----------------------------------------------------------------
 
 

@@ -457,20 +457,13 @@ def follow(model, tokenizer, config: ServerConfig, drafters=None) -> None:
 
 
 def check_sharded_drafters(model: nn.Module, drafters: dict) -> None:
-    """On a sharded target: refuse a drafter that reads the target's K/V cache (split across
-    the ranks) or hidden layers the local rank does not run."""
+    """On a sharded target: refuse a drafter it cannot serve (`distributed.check_drafter`)."""
     if distributed.sharding_of(model) is None:
         return
     for name, make in drafters.items():
-        if name == ALL:
-            continue
-        drafter = make()
-        if getattr(drafter, "reads_target_cache", False):
-            raise ValueError(
-                f"{name} attends over the target's own key/value cache, which a sharded target "
-                "splits across the ranks: serve it from one machine"
-            )
-        distributed.check_layers_local(model, hidden_layer_ids(drafter), name)
+        if name != ALL:
+            drafter = make()
+            distributed.check_drafter(model, drafter, hidden_layer_ids(drafter))
 
 
 def _ngram() -> Drafter:
@@ -853,9 +846,7 @@ class _Server:
                     seed=seed,
                 )
 
-            job = Job(None, loop, seed=seed, batch=batch_request)
-            job.spec = spec
-            return job
+            return Job(None, loop, seed=seed, batch=batch_request, spec=spec)
         taken: list[Session] = []
 
         def open_stream():  # on the engine thread
@@ -877,9 +868,7 @@ class _Server:
             if taken and outcome != "failed":
                 self.prompt_cache.put(name, taken[0])
 
-        job = Job(open_stream, loop, seed=seed, release=release)
-        job.spec = spec
-        return job
+        return Job(open_stream, loop, seed=seed, release=release, spec=spec)
 
     def _batched(self, name: str | None) -> bool:
         """Whether requests drafting with `name` run as rows of the batch engine (its drafter

@@ -370,3 +370,27 @@ def test_a_server_that_loses_a_rank_stops(ckpt, tmp_path):
         and "rank 0: a rank of the distributed run was lost" in lines[0]
     )
     assert "Traceback" not in stderr
+
+
+def test_drafters_a_sharded_target_cannot_run_are_refused():
+    """A drafter attending over the target's K/V cache (a Gemma 4 assistant), alone or in a
+    group, is refused on a sharded target in one line; other drafters and unsharded targets
+    pass."""
+    from types import SimpleNamespace
+
+    from mlx_spec import distributed
+
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    model = nn.Module()
+    reader = SimpleNamespace(name="gemma4-assistant", reads_target_cache=True)
+    plain = SimpleNamespace(name="draft-model")
+    group = SimpleNamespace(name="all", drafters=[plain, reader])
+    distributed.check_drafter(model, reader, ())  # one process: nothing is split
+    sharding = distributed.Sharding(mx.distributed.init(), "tensor")
+    object.__setattr__(model, distributed.SHARDING_ATTR, sharding)
+    distributed.check_drafter(model, plain, ())
+    for drafter in (reader, group):
+        with pytest.raises(ValueError, match="gemma4-assistant attends over the target's own"):
+            distributed.check_drafter(model, drafter, ())
