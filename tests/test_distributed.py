@@ -23,12 +23,14 @@ from pathlib import Path
 import mlx_spec
 from convert import convert_checkpoint
 from mlx_spec.sampling import SamplingConfig
+from mlx_spec.server import ServerConfig, create_app, drafter_factories
 
 import hfmodels as hfm
 import httpx
 import pytest
 import tinymodels as tm
 from chisquare import chisquare_pvalue, exact_first_tokens
+from conftest import serving
 from test_eagle3 import write_eagle3
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -338,6 +340,14 @@ def test_serve_on_two_ranks(ckpt, tmp_path, shard, batching):
         texts = [httpx.post(f"{url}/v1/completions", json=sampled, timeout=TIMEOUT).json()
                  for _ in range(2)]  # fmt: skip
         assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]
+        # ... and it is the text one process serves for it: the sharded engine samples as the
+        # single-process one does (whose distribution tests, negative controls included, cover
+        # the batched verifier)
+        drafters = drafter_factories(target, tokenizer, draft_model=str(ckpt["draft"]))
+        config = ServerConfig(model_id="target", batching=batching, max_tokens_limit=64)
+        with serving(create_app(target, tokenizer, config, drafters)) as alone:
+            one = httpx.post(f"{alone}/v1/completions", json=sampled, timeout=TIMEOUT).json()
+        assert one["choices"][0]["text"] == texts[0]["choices"][0]["text"]
         health = httpx.get(f"{url}/health", timeout=10).json()
         # the client that left is cancelled (or had finished first, when the row was fast)
         assert health["active"] == 0 and health["failed"] == 0
