@@ -218,6 +218,10 @@ def spec_server(args, slots: int) -> ServerProcess:
     mtp = args.mtp or (args.model if (Path(args.model) / "mtp").is_dir() else None)
     if mtp:
         command += ["--mtp", mtp]
+    # EAGLE-3 and DFlash join the server (and its "all" group) when a mode asks for them.
+    for mode, flag in (("eagle3", "--eagle"), ("dflash", "--dflash")):
+        if mode in args.modes:
+            command += [flag, getattr(args, mode) or args.model]
     return ServerProcess("mlx-spec serve", command)
 
 
@@ -319,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random", action="store_true", help="a random llama pair built here instead")
     p.add_argument("--draft-model", help="draft model for the 'draft-model' mode")
     p.add_argument("--mtp", help="MTP drafter directory (default: MODEL/mtp when it exists)")
+    p.add_argument("--eagle3", help="EAGLE-3 head for the 'eagle3' mode (default: MODEL/eagle3)")
+    p.add_argument("--dflash", help="DFlash drafter for the 'dflash' mode (default: MODEL/dflash)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
@@ -328,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["none", "ngram", "draft-model", "mtp", "all"],
-        help="speculation modes: none, ngram, draft-model, mtp, all (default: each)",
+        help="speculation modes: none, ngram, draft-model, mtp, eagle3, dflash, all (default: "
+        "none ngram draft-model mtp all; naming eagle3 or dflash loads them, and 'all' then "
+        "holds them too)",
     )
     p.add_argument("--max-concurrent", type=int, help="engine slots (default: the largest N)")
     p.add_argument("--turns", type=int, default=4, help="conversation turns (0: none)")

@@ -302,6 +302,14 @@ class BatchCache:
 
     # --- rows joining and leaving ---------------------------------------------------------------
 
+    def bytes_per_token(self) -> int:
+        """Key and value bytes one token takes (measured on a cache that holds some)."""
+        mx.eval(self.state)
+        layers = [layer for layer in self.layers if layer.keys is not None]
+        return sum(
+            (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2] for layer in layers
+        )
+
     def filter(self, rows: Sequence[int]) -> None:
         """Keep only `rows` (in that order)."""
         index = mx.array(list(rows), mx.int32)
@@ -372,6 +380,16 @@ class BatchCache:
                     layer.values = _gather(layer.values, order)
             group.pos = mx.take_along_axis(group.pos[:, : group.idx], order, axis=1)
             group.idx = width
+
+    def tidy(self) -> None:
+        """Compact once the columns in use outnumber twice what a row can still need (its
+        tokens, or a sliding window's); decided on counts held in Python, no device sync."""
+        longest = max(self.lengths, default=0)
+        for group in self.groups.values():
+            need = longest if group.window is None else min(longest, group.window + DEAD_MARGIN)
+            if group.idx > 2 * need + STEP:
+                self.compact()
+                return
 
     def waste(self) -> float:
         """Share of the columns in use that hold nothing any row still needs."""

@@ -49,6 +49,7 @@ class BatchDrafter:
 
     def __init__(self):
         self.rows: list[int] = []
+        self.vocab: int | None = None  # ids it may draft (the engine's); None: its head's
 
     def available(self, row: int, k: int) -> int | None:
         """Drafts the row can have now, where the drafter can tell without drafting."""
@@ -57,6 +58,11 @@ class BatchDrafter:
     def backlog(self, row: int) -> int:
         """Tokens the row's next draft must feed before its own first token rides along
         (what piled up while it did not draft); 0 for drafters without a model."""
+        return 0
+
+    def token_bytes(self, width: int) -> int:
+        """Cache bytes one token of a row takes in the drafter (0: it keeps no cache);
+        `width`: the columns of the target features it reads."""
         return 0
 
     def reset(self) -> None:
@@ -202,6 +208,15 @@ class _ModelDrafter(BatchDrafter):
             return state, state.lengths[0]
         return BatchCache(self.model, 1), 0
 
+    def token_bytes(self, width: int) -> int:
+        kept, self.cache = self.cache, BatchCache(self.model, 1)
+        try:  # one token through a fresh one-row cache
+            hidden = mx.zeros((1, 1, width)) if self.needs_hidden else None
+            self._pass(mx.zeros((1, 1), mx.uint32), [1], hidden)
+            return self.cache.bytes_per_token()
+        finally:
+            self.cache = kept
+
     def _pass(self, x: mx.array, lengths: list[int], hidden: mx.array | None) -> mx.array:
         """One pass over the drafter's rows: `[B, S]` ids (row i's first `lengths[i]` real)."""
         self.cache.begin(lengths)
@@ -216,6 +231,7 @@ class _ModelDrafter(BatchDrafter):
         want = [ks.get(row, 0) if self._pending[row] else 0 for row in self.rows]
         if not any(want):
             return None
+        self.cache.tidy()
         first = [self._pending[row] if k else [] for row, k in zip(self.rows, want, strict=True)]
         lengths = [len(t) for t in first]
         width = max(lengths)
@@ -230,7 +246,7 @@ class _ModelDrafter(BatchDrafter):
         tokens, probs = [], []
         for step in range(max(want)):
             logits = self._pass(x, lengths, hidden)
-            last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0]  # [B, V]
+            last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0, : self.vocab]
             p = batch_probs(last, configs)
             drawing = [r if k > step else None for r, k in zip(randoms, want, strict=True)]
             token = draw(p, gumbel(drawing, (p.shape[-1],)))  # [B]
@@ -326,6 +342,100 @@ class BatchMTP(_ModelDrafter):
         self._cut(row, length + pending)  # the true pairs fed; every self-fed step dropped
         self._pending[row] = emitted
         self._hidden[row] = [hidden]
+
+
+class BatchEagle3(BatchMTP):
+    """An EAGLE-3 head batched over its rows: the MTP head's pairs, rollback and recursive
+    reuse, over the features of the target layers it names (`hidden_layers`)."""
+
+    name = "eagle3"
+
+    def __init__(self, head: nn.Module):
+        super().__init__(head)
+        self.hidden_layers = tuple(head.cfg.layer_ids)
+
+
+class BatchDFlash(_ModelDrafter):
+    """A DFlash block drafter batched over its rows: one pass of its stack drafts every row's
+    block.
+
+    Its cache holds each row's context: the K/V of the target's features at the committed
+    positions, fed when the row joins and, for the positions committed since (queued by
+    `accept`), at the start of the next draft. A row's block (its pending token, then k mask
+    tokens) is never stored, so a rejection leaves nothing to roll back.
+    """
+
+    name = "dflash"
+    needs_hidden = True
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.hidden_layers = model.hidden_layers
+        self.max_depth = model.cfg.block_size - 1
+
+    def available(self, row: int, k: int) -> int | None:
+        return min(k, self.max_depth)
+
+    def backlog(self, row: int) -> int:
+        return max(0, sum(h.shape[0] for h in self._hidden[row]) - 1)
+
+    def token_bytes(self, width: int) -> int:
+        cache = BatchCache(self.model, 1)
+        self.model.feed_rows(mx.zeros((1, 1, width)), cache, [1])
+        return cache.bytes_per_token()
+
+    def join(self, row, sequence, hidden, state, common) -> None:
+        """The context: every position but the last (the pending token's)."""
+        context = len(sequence) - 1
+        cache, fed = self._reuse(state, min(common, context))
+        for start in range(fed, context, 2048):
+            chunk = hidden[start : min(start + 2048, context)]
+            self.model.feed_rows(chunk[None], cache, [chunk.shape[0]])
+            mx.eval(cache.state)
+        self._pending[row] = [sequence[-1]]
+        self._hidden[row] = []
+        self._add(row, cache)
+
+    def draft(self, ks, configs, randoms) -> DraftBlock | None:
+        want = [min(ks.get(row, 0), self.max_depth) for row in self.rows]
+        if not any(want):
+            return None
+        self.cache.tidy()
+        queued = [self._hidden[row] for row in self.rows]
+        lengths = [sum(h.shape[0] for h in q) for q in queued]
+        if any(lengths):  # every row's newly committed positions join its context
+            width = max(lengths)
+            size = next(h for q in queued for h in q).shape[-1]
+            padded = []
+            for q, n in zip(queued, lengths, strict=True):
+                parts = q + ([mx.zeros((width - n, size))] if width > n else [])
+                padded.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
+            self.model.feed_rows(mx.stack(padded), self.cache, lengths)
+            for row in self.rows:
+                self._hidden[row] = []
+        k = max(want)
+        mask = self.model.cfg.mask_token_id
+        block = [[self._pending[row][0]] + [mask] * k for row in self.rows]
+        sizes = [1 + n for n in want]
+        logits = self.model.draft_rows(mx.array(block, mx.uint32), self.cache, sizes)
+        configs = [configs.get(row, SamplingConfig()) for row in self.rows]
+        randoms = [randoms.get(row) for row in self.rows]
+        tokens, probs = [], []
+        for j in range(k):  # each row draws once per draft it asked for, in order
+            p = batch_probs(logits[:, j, : self.vocab], configs)
+            drawing = [r if n > j else None for r, n in zip(randoms, want, strict=True)]
+            tokens.append(draw(p, gumbel(drawing, (p.shape[-1],))))
+            probs.append(p)
+        greedy = all(c.greedy for c, n in zip(configs, want, strict=True) if n)
+        dists = None if greedy else mx.stack(probs, axis=1)
+        return DraftBlock(list(self.rows), want, mx.stack(tokens, axis=1), dists)
+
+    def accept(self, row, drafted, accepted, emitted, hidden) -> None:
+        """The committed positions (the old pending token and the kept drafts) queue their
+        features; the last emitted token is pending."""
+        if hidden is not None and hidden.shape[0]:
+            self._hidden[row].append(hidden)
+        self._pending[row] = [emitted[-1]]
 
 
 def _prefill(model: nn.Module, cache: BatchCache, tokens: list[int], hidden=None, step=2048):

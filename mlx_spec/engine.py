@@ -46,8 +46,8 @@ from mlx_spec.batch_sampling import (
     row_uniforms,
 )
 from mlx_spec.decode import Round
-from mlx_spec.hidden import tap_hidden
-from mlx_spec.models.mtp import target_hidden_size
+from mlx_spec.drafters.base import hidden_wanted
+from mlx_spec.hidden import tap_for
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -112,17 +112,82 @@ class _Row:
     stats: SpecStats
     arms: list[int]  # indices of the drafters it may use
     random: RowRandom | None
-    needs_hidden: bool = False  # one of its drafters reads the target's hidden states
+    features: tuple = ()  # the target features its drafters read (`_Features` kinds)
     prefill: BatchCache | None = None  # before its group forms: what the prompt cache had
     fed: int = 0  # prompt tokens in its cache so far
     cached: int = 0  # prompt tokens that came from the prompt cache
     states: dict = field(default_factory=dict)  # drafter states from the prompt cache
     common: int = 0  # tokens shared with those states' sequence
-    hidden: list = field(default_factory=list)  # target hidden states (MTP rows), in order
+    hidden: list = field(default_factory=list)  # its features, in order (`features`)
     produced: int = 0
     done: bool = False
     cancelled: bool = False
     tic: float = 0.0
+
+    @property
+    def needs_hidden(self) -> bool:
+        return bool(self.features)
+
+
+class _Features:
+    """The target features the engine's drafters read, one kind per drafter that reads any (the
+    final hidden state: MTP heads; its layers' features: EAGLE-3, DFlash), recorded on every
+    target pass and concatenated kind after kind. A row keeps the kinds of its own drafters
+    only, and each of them reads its kind's columns."""
+
+    def __init__(self, model: nn.Module, drafters: dict[str, BatchDrafter]):
+        self.kinds: list = []  # `hidden_wanted` of the drafters: True, or layer ids
+        for drafter in drafters.values():
+            kind = hidden_wanted(drafter)
+            if kind and kind not in self.kinds:
+                self.kinds.append(kind)
+        self.kind_of = {name: hidden_wanted(d) for name, d in drafters.items()}
+        self._taps = [tap_for(model, kind) for kind in self.kinds]
+        self.widths: dict = {}  # kind -> columns, once a pass was seen (`measure`)
+        self.itemsize = 0
+
+    def now(self) -> mx.array | None:
+        """`[B, S, W]`: every kind from the last target pass (None: no drafter reads any)."""
+        if not self._taps:
+            return None
+        parts = [tap.hidden for tap in self._taps]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def measure(self) -> None:
+        """Read each kind's width from the last pass."""
+        for kind, tap in zip(self.kinds, self._taps, strict=True):
+            self.widths[kind] = tap.hidden.shape[-1]
+            self.itemsize = tap.hidden.dtype.size
+
+    def of(self, names: list[str]) -> tuple:
+        """The kinds drafters `names` read, in the engine's order."""
+        wanted = {self.kind_of[n] for n in names}
+        return tuple(kind for kind in self.kinds if kind in wanted)
+
+    def keep(self, kinds: tuple, h: mx.array) -> mx.array:
+        """A row's columns (its `kinds`) of `[..., W]` features."""
+        if kinds == tuple(self.kinds):
+            return h
+        parts, start = [], 0
+        for kind in self.kinds:
+            end = start + self.widths[kind]
+            if kind in kinds:
+                parts.append(h[..., start:end])
+            start = end
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def columns(self, kinds: tuple, name: str) -> slice:
+        """Where drafter `name`'s kind lies among a row's kept columns (`kinds`)."""
+        start = 0
+        for kind in kinds:
+            if kind == self.kind_of[name]:
+                return slice(start, start + self.widths[kind])
+            start += self.widths[kind]
+        raise KeyError(name)
+
+    def row_bytes(self, kinds: tuple) -> int:
+        """Bytes a row keeps per token for `kinds`."""
+        return self.itemsize * sum(self.widths[kind] for kind in kinds)
 
 
 class BatchEngine:
@@ -157,14 +222,19 @@ class BatchEngine:
     ):
         self.model, self.tokenizer, self.vocab = model, tokenizer, vocab_size
         self.drafters = drafters
+        for drafter in drafters.values():
+            drafter.vocab = vocab_size
         self.names = list(drafters)
         self.max_batch, self.max_draft, self.prefill_step = max_batch, max_draft, prefill_step
         self.sync = distributed.sync_for(model)  # a sharded target's sharing, else None
         self.max_kv_bytes = max_kv_bytes
+        self.features = _Features(model, drafters)
         self.token_bytes = {None: token_bytes(model)}  # per drafter name (None: the target)
+        self.features.measure()  # from the pass `token_bytes` ran
         for name, drafter in drafters.items():
-            if hasattr(drafter, "cache"):
-                self.token_bytes[name] = token_bytes(drafter.model, drafter.needs_hidden)
+            per_token = drafter.token_bytes(self.features.widths.get(hidden_wanted(drafter), 0))
+            if per_token:
+                self.token_bytes[name] = per_token
         if self.sync is not None:  # decided alike on every rank
             group = self.sync.group
             self.token_bytes = {
@@ -174,8 +244,6 @@ class BatchEngine:
                 self.max_kv_bytes = distributed.agreed_bytes(group, max_kv_bytes, least=True)
         self.context = context_limit(model)
         self.row_cache = row_cache
-        self.needs_hidden = any(d.needs_hidden for d in drafters.values())
-        self._tap = tap_hidden(model) if self.needs_hidden else None
         self.policy = BatchDraftPolicy(self.names, max_draft)
         self.cache: BatchCache | None = None  # the target's, over `active`
         self.active: list[_Row] = []
@@ -209,7 +277,7 @@ class BatchEngine:
             arms,
             None if greedy else RowRandom(request.seed),
         )
-        row.needs_hidden = any(self.drafters[self.names[a]].needs_hidden for a in arms)
+        row.features = self.features.of([self.names[a] for a in arms])
         self._next_id += 1
         self.waiting.append(row)
         return row
@@ -259,6 +327,7 @@ class BatchEngine:
         its model drafters' caches."""
         names = [None] + [self.names[a] for a in row.arms]
         per_token = sum(self.token_bytes.get(n, 0) for n in names)
+        per_token += self.features.row_bytes(row.features)  # the features it keeps
         return per_token * (len(row.request.prompt) + row.request.max_tokens)
 
     def _fits(self, row: _Row, joining: list[_Row]) -> bool:
@@ -333,9 +402,10 @@ class BatchEngine:
         at = mx.array([max(n - 1, 0) for n in lengths])
         last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0, : self.vocab]
         first = self._draw(rows, last) if finishing else None
+        features = self.features.now()
         for i, row in enumerate(rows):
             if row.needs_hidden and lengths[i]:
-                row.hidden.append(self._tap.hidden[i, : lengths[i]])
+                row.hidden.append(self.features.keep(row.features, features[i, : lengths[i]]))
             row.fed += lengths[i]
         mx.eval(group.cache.state, [r.hidden[-1:] for r in rows], first)
         if first is not None:
@@ -355,7 +425,7 @@ class BatchEngine:
         entry = None
         if self.row_cache is not None:
             names = [self.names[a] for a in row.arms]
-            entry = self.row_cache.take(ids, names, row.needs_hidden)
+            entry = self.row_cache.take(ids, names, row.features)
         if entry is None:
             row.prefill, row.fed = BatchCache(self.model, 1), 0
             return
@@ -380,7 +450,8 @@ class BatchEngine:
             if row.done or row.cancelled:
                 if self.row_cache is not None and not row.cancelled:
                     hidden = mx.concatenate(row.hidden) if row.needs_hidden else None
-                    self.row_cache.put(row.tokens, group.cache.extract(i, self.model), {}, hidden)
+                    one = group.cache.extract(i, self.model)
+                    self.row_cache.put(row.tokens, one, {}, hidden, row.features)
                 continue
             staying.append(i)
             hidden = None
@@ -390,7 +461,11 @@ class BatchEngine:
             for arm in row.arms:
                 name = self.names[arm]
                 self.drafters[name].join(
-                    row.id, row.tokens, hidden, row.states.pop(name, None), row.common
+                    row.id,
+                    row.tokens,
+                    self._columns(row, name, hidden),
+                    row.states.pop(name, None),
+                    row.common,
                 )
             row.states = {}
         if not staying:
@@ -480,7 +555,8 @@ class BatchEngine:
         self.cache.begin([1] * len(rows))
         logits = self.model(tokens[:, None], cache=self.cache.layers)[:, 0, : self.vocab]
         self.cache.end([1] * len(rows))
-        hidden = self._tap.hidden[:, 0] if self._tap is not None else None
+        hidden = self.features.now()
+        hidden = None if hidden is None else hidden[:, 0]
         nxt = self._draw(rows, logits)
         mx.async_eval(nxt)
         return _Ahead([r.id for r in rows], nxt, hidden)
@@ -535,7 +611,7 @@ class BatchEngine:
         self.cache.begin(lengths)
         logits = self.model(x, cache=self.cache.layers)[..., : self.vocab]  # [B, 1 + K, V]
         self.cache.end(lengths)
-        hidden = self._tap.hidden if self._tap is not None else None
+        hidden = self.features.now()
         accepted, nxt = self._verify(rows, tokens, probs, logits, counts)
         if self.sync is not None:  # rank 0's outcome, one collective for both
             both = self.sync.share(mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)]))
@@ -619,13 +695,19 @@ class BatchEngine:
         row.stats.observe_choice(None if arm is None else self.names[arm], drafted)
         row.tokens += emitted[:keep]
         row.produced += len(chunks)
-        kept_hidden = None if hidden is None else hidden[:keep]
-        if row.needs_hidden and kept_hidden is not None:
+        kept_hidden = None
+        if row.needs_hidden and hidden is not None:
+            kept_hidden = self.features.keep(row.features, hidden[:keep])
             row.hidden.append(kept_hidden)
         for a in row.arms if joined else []:
             mine = drafted if a == arm else 0
-            self.drafters[self.names[a]].accept(
-                row.id, mine, min(accepted, keep - 1), emitted[:keep], kept_hidden
+            name = self.names[a]
+            self.drafters[name].accept(
+                row.id,
+                mine,
+                min(accepted, keep - 1),
+                emitted[:keep],
+                self._columns(row, name, kept_hidden),
             )
         for chunk in chunks:
             row.request.emit(chunk)
@@ -634,6 +716,15 @@ class BatchEngine:
             row.stats.decode_seconds = time.perf_counter() - row.tic
             row.request.emit(row.cutter.final(finish or "length"))
         return keep
+
+    def _columns(self, row: _Row, name: str, hidden: mx.array | None) -> mx.array | None:
+        """The columns of a row's kept features that drafter `name` reads (None: it reads
+        none)."""
+        if hidden is None or not self.drafters[name].needs_hidden:
+            return None
+        if len(row.features) == 1:
+            return hidden
+        return hidden[..., self.features.columns(row.features, name)]
 
     # --- leaving -------------------------------------------------------------------------------
 
@@ -645,7 +736,7 @@ class BatchEngine:
             if one.lengths[0] > len(row.tokens) - 1:  # a queued step fed its last token
                 one.truncate([len(row.tokens) - 1])
             hidden = mx.concatenate(row.hidden) if row.needs_hidden and row.hidden else None
-            self.row_cache.put(row.tokens, one, states, hidden)
+            self.row_cache.put(row.tokens, one, states, hidden, row.features)
         self.active.pop(i)
         rest = [j for j in range(len(self.active) + 1) if j != i]
         if self.active:
@@ -656,19 +747,13 @@ class BatchEngine:
             self.cache.compact()
 
 
-def token_bytes(model: nn.Module, needs_hidden: bool = False) -> int:
+def token_bytes(model: nn.Module) -> int:
     """Cache bytes one token takes in `model`'s `BatchCache` (measured on a one-token pass)."""
     cache = BatchCache(model, 1)
     cache.begin([1])
-    x = mx.zeros((1, 1), mx.uint32)
-    if needs_hidden:
-        model(x, cache=cache.layers, hidden=mx.zeros((1, 1, target_hidden_size(model))))
-    else:
-        model(x, cache=cache.layers)
+    model(mx.zeros((1, 1), mx.uint32), cache=cache.layers)
     cache.end([1])
-    mx.eval(cache.state)
-    layers = [layer for layer in cache.layers if layer.keys is not None]
-    return sum((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[2] for layer in layers)
+    return cache.bytes_per_token()
 
 
 def _widen(a: mx.array, k: int) -> mx.array:

@@ -141,6 +141,7 @@ class _RowItem:
     states: dict
     hidden: object
     nbytes: int
+    features: tuple = ()  # the kinds of target features `hidden` holds
 
 
 class RowCache(_LRU):
@@ -156,15 +157,16 @@ class RowCache(_LRU):
     """
 
     def take(
-        self, prompt_ids: Sequence[int], drafters: Sequence[str] = (), hidden: bool = False
+        self, prompt_ids: Sequence[int], drafters: Sequence[str] = (), features: tuple = ()
     ) -> RowEntry | None:
         """The entry that saves `prompt_ids` the most prefill, cut back to what the prompt
-        shares (its last token is always prefilled anew), or None. With `hidden`, only entries
-        that kept the target's hidden states count; among entries that save as much, one
-        holding states for more of `drafters` wins."""
+        shares (its last token is always prefilled anew), or None. With `features` (the kinds
+        of target features the row's drafters read), only entries that kept those count; among
+        entries that save as much, one holding states for more of `drafters` wins."""
+        hidden = bool(features)
         best, best_score, best_reuse, best_common = None, (0, 0), 0, 0
         for item in self._entries:
-            if hidden and item.hidden is None:
+            if hidden and (item.hidden is None or item.features != tuple(features)):
                 continue
             common = common_prefix(item.tokens, prompt_ids)
             reuse = min(common, len(prompt_ids) - 1, item.cache.lengths[0])
@@ -191,19 +193,21 @@ class RowCache(_LRU):
         best.cache.truncate([best_reuse])
         return RowEntry(best.cache, best_reuse, best.states, best_common, best.hidden)
 
-    def put(self, tokens: list[int], cache, states: dict, hidden=None) -> None:
-        """Keep a finished row's caches (dropping the entries it continues)."""
+    def put(self, tokens: list[int], cache, states: dict, hidden=None, features=()) -> None:
+        """Keep a finished row's caches (dropping the entries it continues); `hidden`: its
+        target features of the `features` kinds."""
         if not self.enabled or not cache.lengths[0]:
             return
+        features = tuple(features) if hidden is not None else ()
         for item in list(self._entries):
-            if self._subsumes(tokens, cache, states, hidden, item):
+            if self._subsumes(tokens, cache, states, features, item):
                 self._entries.remove(item)
         nbytes = cache.nbytes + sum(getattr(s, "nbytes", 0) for s in states.values() if s)
         nbytes += 0 if hidden is None else hidden.nbytes
-        self._add(_RowItem(list(tokens), cache, states, hidden, nbytes))
+        self._add(_RowItem(list(tokens), cache, states, hidden, nbytes, features))
 
     @staticmethod
-    def _subsumes(tokens, cache, states, hidden, item: _RowItem) -> bool:
+    def _subsumes(tokens, cache, states, features, item: _RowItem) -> bool:
         """Whether a new entry serves every prompt `item` serves, as well: its sequence
         continues item's, it can be cut back to item's length, and it keeps every drafter
         state and the hidden states item keeps."""
@@ -214,4 +218,4 @@ class RowCache(_LRU):
             return False
         if any(s is not None and states.get(k) is None for k, s in item.states.items()):
             return False
-        return item.hidden is None or hidden is not None
+        return item.hidden is None or item.features == features

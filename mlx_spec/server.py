@@ -29,7 +29,14 @@ from typing import Literal
 from mlx_spec import distributed
 from mlx_spec.api import GenerationChunk, encode_prompt
 from mlx_spec.batch_cache import batchable
-from mlx_spec.batch_drafters import BatchDrafter, BatchDraftModel, BatchMTP, BatchNgram
+from mlx_spec.batch_drafters import (
+    BatchDFlash,
+    BatchDrafter,
+    BatchDraftModel,
+    BatchEagle3,
+    BatchMTP,
+    BatchNgram,
+)
 from mlx_spec.chat import FALLBACK_STOP, chat_prompt, has_chat_template
 from mlx_spec.compat import scored_vocab
 from mlx_spec.drafters.base import Drafter, hidden_layer_ids
@@ -500,8 +507,8 @@ def drafter_factories(
         draft_model: a draft model directory or hub id.
         mtp: an MTP drafter directory, or the converted target directory holding `mtp/`.
         assistant: a Gemma 4 assistant directory.
-        eagle: an EAGLE-3 head directory (its requests run as solo streams).
-        dflash: a DFlash drafter directory (solo streams too).
+        eagle: an EAGLE-3 head directory.
+        dflash: a DFlash drafter directory.
     Returns:
         One factory per drafter given (n-gram lookup always), and "all": a `DrafterGroup` of
         them, when there are two or more.
@@ -535,12 +542,16 @@ def drafter_factories(
         from mlx_spec.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
 
         eagle_head = load_eagle3_drafter(eagle, model).module
-        out["eagle3"] = DrafterFactory(lambda: Eagle3Drafter(eagle_head, model))
+        out["eagle3"] = DrafterFactory(
+            lambda: Eagle3Drafter(eagle_head, model), lambda: BatchEagle3(eagle_head)
+        )
     if dflash is not None:
         from mlx_spec.drafters.dflash import DFlashDrafter, load_dflash_drafter
 
         block = load_dflash_drafter(dflash, model).model
-        out["dflash"] = DrafterFactory(lambda: DFlashDrafter(block, model))
+        out["dflash"] = DrafterFactory(
+            lambda: DFlashDrafter(block, model), lambda: BatchDFlash(block)
+        )
     if len(out) > 1:  # every drafter at once: the policy picks one each round
         makers = list(out.values())
         readers = [name for name in ("mtp", "eagle3", "dflash") if name in out]

@@ -203,6 +203,21 @@ class _Attention(nn.Module):
                 visible = visible & (k_pos - q_pos < self.window)
         return visible
 
+    def rows_call(self, x: mx.array, cache, start: mx.array, mask: mx.array) -> mx.array:
+        """A batch of rows: `x` `[B, S, d]` normed blocks, row i's at positions `start[i]` ..;
+        the rows' context is what `cache` (a `BatchLayerCache`) holds; `mask` `[B, 1, S, C +
+        S]` (see `DFlashModel.rows_mask`)."""
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, s, self.heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=start)
+        kb, vb = self._kv(x, start)
+        used = cache.positions.idx
+        if cache.keys is not None and used:
+            kb = mx.concatenate([cache.keys[..., :used, :], kb], axis=2)
+            vb = mx.concatenate([cache.values[..., :used, :], vb], axis=2)
+        out = scaled_dot_product_attention(q, kb, vb, cache=None, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, -1))
+
     def train_call(self, x, ctx, ctx_pos, blk_pos, mask):
         """Training: every block of a sequence at once. `x` `[B, N, d]` normed blocks at
         positions `blk_pos`, `ctx` `[B, S, d]` at `ctx_pos`; `mask` `[N, S + N]`."""
@@ -240,6 +255,10 @@ class _Layer(nn.Module):
 
     def __call__(self, x, ctx, cache, start):
         y = x + self.self_attn(self.input_layernorm(x), ctx, cache, start)
+        return y + self.mlp(self.post_attention_layernorm(y))
+
+    def rows_call(self, x, cache, start, mask):
+        y = x + self.self_attn.rows_call(self.input_layernorm(x), cache, start, mask)
         return y + self.mlp(self.post_attention_layernorm(y))
 
     def train_call(self, x, ctx, ctx_pos, blk_pos, mask):
@@ -291,6 +310,33 @@ class DFlashModel(nn.Module):
             x = layer(x, ctx, cache, start)
         return self.logits(x[:, 1:])
 
+    # --- a batch of rows (the server's engine): the context in a `BatchCache` ---------------
+
+    def feed_rows(self, features: mx.array, cache, lengths: list[int]) -> None:
+        """Append to row i of `cache` (a `BatchCache` of this model) the context of the first
+        `lengths[i]` positions of `features` `[B, C, n T]` (right-padded)."""
+        ctx = self.hidden_norm(self.fc(features.astype(self.fc.weight.dtype)))
+        cache.begin(lengths)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            k, v = layer.self_attn._kv(ctx, layer_cache.offset)
+            layer_cache.update_and_fetch(k, v)
+        cache.end(lengths)
+
+    def draft_rows(self, block: mx.array, cache, sizes: list[int]) -> mx.array:
+        """Logits `[B, S - 1, V]` of each row's block: `block` `[B, S]`, row i's first
+        `sizes[i]` real (its pending token, then mask tokens), placed right after the context
+        its row of `cache` holds; a row sees that context and its own block's real tokens."""
+        x = self._embed(block) * self.cfg.input_embedding_scale
+        masks: dict = {}
+        start = cache.layers[0].offset
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            attn = layer.self_attn
+            key = (attn.causal, attn.window)
+            if key not in masks:
+                masks[key] = rows_mask(layer_cache.positions, sizes, block.shape[1], *key)
+            x = layer.rows_call(x, layer_cache, start, masks[key])
+        return self.logits(x[:, 1:])
+
     def logits(self, x: mx.array) -> mx.array:
         """The target's head over `norm(x)`, times `output_multiplier`, soft-capped."""
         head, method = self._head
@@ -301,6 +347,24 @@ class DFlashModel(nn.Module):
         if cap is not None and float(cap) > 0:
             logits = mx.tanh(logits / cap) * cap
         return logits
+
+
+def rows_mask(positions, sizes: list[int], s: int, causal: bool, window: int | None):
+    """`[B, 1, S, C + S]`: a row's block query sees the context columns its row holds (within
+    the window) and its block's real tokens (the earlier ones if causal, within the window)."""
+    pos = positions.pos[:, : positions.idx]  # [B, C] positions, EMPTY where nothing
+    q_pos = positions.offset[:, None] + mx.arange(s)[None]  # [B, S]
+    ctx = mx.broadcast_to((pos >= 0)[:, None, :], (pos.shape[0], s, pos.shape[1]))
+    if window is not None:
+        ctx = ctx & (q_pos[:, :, None] - pos[:, None, :] < window)
+    j = mx.arange(s)
+    blk = j[None, None, :] < mx.array(sizes)[:, None, None]  # [B, 1, S]
+    if causal:
+        blk = blk & (j[None, :, None] >= j[None, None, :])
+    if window is not None:
+        blk = blk & (mx.abs(j[None, :, None] - j[None, None, :]) < window)
+    blk = mx.broadcast_to(blk, (len(sizes), s, s))
+    return mx.concatenate([ctx, blk], axis=-1)[:, None]
 
 
 def training_anchors(seq_len: int, block: int) -> list[int]:
