@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
+from mlx_spec.batch_drafters import (
+    BatchDFlash,
+    BatchDraftModel,
+    BatchEagle3,
+    BatchMTP,
+    BatchNgram,
+)
 from mlx_spec.bench import machine_info
 from mlx_spec.compat import scored_vocab
 from mlx_spec.engine import BatchEngine, BatchRequest
@@ -39,7 +45,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
-MODES = ["plain", "ngram", "draft-model", "mtp", "all"]
+MODES = ["plain", "ngram", "draft-model", "mtp", "eagle3", "dflash", "all"]
 
 
 def run_engine(engine: BatchEngine, prompts, max_tokens: int, mode: str, temperature: float):
@@ -105,7 +111,13 @@ def configurations(engine, model, batch, args) -> list:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["plain", "ngram", "draft-model", "mtp", "all"],
+        choices=MODES,
+        help="plain, ngram, draft-model, mtp, all (default) and eagle3, dflash",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -129,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         "draft-model": BatchDraftModel(draft),
         "mtp": BatchMTP(head.module),
     }
+    # The EAGLE-3 head and the DFlash drafter join (and join "all") when a mode names them.
+    if "eagle3" in args.modes:
+        drafters["eagle3"] = BatchEagle3(
+            mlx_spec.load_eagle3_drafter(str(target_dir), model).module
+        )
+    if "dflash" in args.modes:
+        drafters["dflash"] = BatchDFlash(mlx_spec.load_dflash_drafter(str(target_dir), model).model)
     results = []
     for n in args.concurrency:
         batch = [prompts[i % len(prompts)] for i in range(n)]
