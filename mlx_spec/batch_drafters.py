@@ -405,10 +405,11 @@ class BatchDFlash(_ModelDrafter):
         lengths = [sum(h.shape[0] for h in q) for q in queued]
         if any(lengths):  # every row's newly committed positions join its context
             width = max(lengths)
-            size = next(h for q in queued for h in q).shape[-1]
+            like = next(h for q in queued for h in q)
             padded = []
             for q, n in zip(queued, lengths, strict=True):
-                parts = q + ([mx.zeros((width - n, size))] if width > n else [])
+                pad = mx.zeros((width - n, like.shape[-1]), like.dtype)
+                parts = q + ([pad] if width > n else [])
                 padded.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
             self.model.feed_rows(mx.stack(padded), self.cache, lengths)
             for row in self.rows:

@@ -259,3 +259,18 @@ def test_server_batches_eagle3_and_dflash_requests(setup):
             assert reply["choices"][0]["text"] == plain.text, drafter
             assert reply["usage"]["speculative"]["drafted_tokens"] > 0, drafter
         assert batch._next_id == len(prompts)  # each request was a row of the batch
+
+
+def test_one_token_prompts(setup):
+    """Prompts of one and two tokens (no context yet for the drafter) draft and equal plain
+    decoding, beside a longer row."""
+    model, tok = setup[:2]
+    engine = engine_with_both(setup, max_batch=6)
+    requests = [
+        dict(prompt=p, sampling=GREEDY, max_tokens=12, drafter=d, num_draft=3)
+        for p in ([1], [1, 4], PROMPT)
+        for d in ("eagle3", "dflash")
+    ]
+    for req, (tokens, final) in zip(requests, run_all(engine, requests), strict=True):
+        assert tokens == mlx_spec.generate(model, tok, req["prompt"], max_tokens=12).tokens
+        assert final.stats.drafted > 0
