@@ -9,7 +9,9 @@ and one decoding step of the batch:
 
 1. the policy chooses K (and each row's drafter and k); K = 0 is a plain step, pipelined:
    the next pass is queued before the last is read;
-2. the drafters draft (model drafters batched over their rows, n-gram lookup per row);
+2. the drafters draft (model drafters batched over their rows, n-gram lookup per row; those
+   that read target features, MTP, EAGLE-3 and DFlash, get their rows' features as recorded
+   by the target passes: `_Features`);
 3. one target pass over `[last] + drafts` of every row, right-padded to K + 1;
 4. each row is verified (exact match when greedy, rejection sampling otherwise) and its caches
    roll back by its own amount; its tokens go through its `OutputCutter` (EOS, stop strings,
