@@ -13,10 +13,12 @@ to back (different prompts, greedy, up to `--max-tokens` tokens each), and the s
 - time to first token (request sent -> first text event) p50 / p95;
 - errors (any non-200 answer or error event; there should be none).
 
-After the load rows of each mode comes one conversation (`--turns`, default 4): each turn's
-prompt is the previous prompt + its reply + `--turn-tokens` new tokens of held-out text, and
-its time to first token is reported with the prompt tokens the server took from its prompt
-cache (each mode's conversation opens with its own line, so none reuses another's). The
+After the load rows come conversations (`--turns`, default 4; `--conversation-only` for them
+alone): each turn's prompt is the previous prompt + its reply + `--turn-tokens` new tokens of
+held-out text, and its time to first token is reported with the prompt tokens the server took
+from its prompt cache (each conversation opens with its own line, so none reuses another's);
+every mode and the peer hold one conversation per repeat, in a rotated order, and each turn's
+time to first token is the median over the repeats. The
 same rows and conversation are measured on `mlx_lm.server` (skip with `--no-peer`), on a
 float32 copy of the model. Both servers run at once, and every repeat
 (`--repeats`, default 3) runs each N for every mode and the peer back to back, in an order
@@ -303,8 +305,29 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
     return sorted(rows, key=lambda r: ([c[0] for c in configs].index(r["mode"]), r["concurrency"]))
 
 
-def measure_conversation(label: str, url: str, body: dict, turns: list[str]) -> dict:
-    conversation = asyncio.run(run_conversation(url, body, turns))
+def measure_conversations(configs: list[tuple[str, str, dict]], turns: list[str], repeats: int):
+    """`repeats` conversations per (label, url, body), each opening with its own line (no
+    entry of another helps), in a rotated order; per turn the median time to first token."""
+    runs: dict[str, list[list[dict]]] = {label: [] for label, _, _ in configs}
+    for repeat in range(repeats):
+        shift = repeat % len(configs)
+        for label, url, body in configs[shift:] + configs[:shift]:
+            own = [f"Conversation {repeat + 1} with {label}.\n" + turns[0], *turns[1:]]
+            runs[label].append(asyncio.run(run_conversation(url, body, own)))
+            _print_conversation(f"[{repeat + 1}/{repeats}] {label}", runs[label][-1])
+    rows = []
+    for label, talks in runs.items():
+        median = [
+            {**talks[0][i], "ttft_ms": statistics.median(t[i]["ttft_ms"] for t in talks)}
+            for i in range(len(talks[0]))
+        ]
+        runs_ms = [[round(t[i]["ttft_ms"], 1) for t in talks] for i in range(len(talks[0]))]
+        _print_conversation(f"median {label}", median)
+        rows.append({"mode": label, "conversation": median, "ttft_ms_runs": runs_ms})
+    return rows
+
+
+def _print_conversation(label: str, conversation: list[dict]) -> None:
     print(
         f"{label:>13} conversation: TTFT by turn "
         + " -> ".join(f"{t['ttft_ms']:.0f}" for t in conversation)
@@ -314,7 +337,6 @@ def measure_conversation(label: str, url: str, body: dict, turns: list[str]) -> 
         + " -> ".join(str(t["cached_tokens"]) for t in conversation),
         flush=True,
     )
-    return {"mode": label, "conversation": conversation}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrent", type=int, help="engine slots (default: the largest N)")
     p.add_argument("--turns", type=int, default=4, help="conversation turns (0: none)")
     p.add_argument("--turn-tokens", type=int, default=180, help="new tokens per turn")
+    p.add_argument(
+        "--conversation-only", action="store_true", help="only the conversations (no load rows)"
+    )
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
@@ -386,14 +411,12 @@ def main(argv: list[str] | None = None) -> int:
                 peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
                 peer_url = stack.enter_context(peer_server(peer_dir))
                 configs.append(("mlx_lm.server", peer_url, {**body, "model": "default_model"}))
-            rows = measure_loads(configs, args)
+            rows = [] if args.conversation_only else measure_loads(configs, args)
             print("medians over the repeats:", flush=True)
             for row in rows:
                 print(_format(row), flush=True)
             if turns:
-                for config in configs:  # each its own text: no entry of another mode helps
-                    own = [f"Conversation with {config[0]}.\n" + turns[0], *turns[1:]]
-                    rows.append(measure_conversation(*config, own))
+                rows += measure_conversations(configs, turns, args.repeats)
     if not args.no_peer:
         print(_versus(rows), flush=True)
 
