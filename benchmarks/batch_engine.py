@@ -48,7 +48,9 @@ from mlx_lm.sample_utils import make_sampler
 MODES = ["plain", "ngram", "draft-model", "mtp", "eagle3", "dflash", "all"]
 
 
-def run_engine(engine: BatchEngine, prompts, max_tokens: int, mode: str, temperature: float):
+def run_engine(
+    engine: BatchEngine, prompts, max_tokens: int, mode: str, temperature: float, k="auto"
+):
     """Queue every prompt, step to the end; returns (tokens generated, seconds, acceptance)."""
     finals = []
 
@@ -64,7 +66,7 @@ def run_engine(engine: BatchEngine, prompts, max_tokens: int, mode: str, tempera
         engine.add(
             BatchRequest(
                 prompt, SamplingConfig(temperature=temperature), max_tokens, emit,
-                drafter=drafter, num_draft="auto" if drafter else 0,
+                drafter=drafter, num_draft=k if drafter else 0,
             )
         )  # fmt: skip
     while engine.busy:
@@ -102,7 +104,12 @@ def configurations(engine, model, batch, args) -> list:
     out = []
     for mode in args.modes:
         out.append(
-            (mode, lambda m=mode: run_engine(engine, batch, args.max_tokens, m, args.temperature))
+            (
+                mode,
+                lambda m=mode: run_engine(
+                    engine, batch, args.max_tokens, m, args.temperature, args.num_draft
+                ),
+            )
         )
     out.append(("mlx-lm", lambda: run_peer(model, batch, args.max_tokens, args.temperature)))
     return out
@@ -121,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--num-draft",
+        default="auto",
+        type=lambda v: v if v == "auto" else int(v),
+        help="k of every drafting row: auto (the batch policy's K, default) or a fixed k",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
