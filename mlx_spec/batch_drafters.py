@@ -1,9 +1,11 @@
-"""Drafters for a batch of rows: n-gram lookup per row, a draft model and an MTP head batched.
+"""Drafters for a batch of rows: n-gram lookup per row; a draft model, an MTP head and an
+EAGLE-3 head batched; a DFlash drafter's blocks for every row in one pass.
 
-Each drafter keeps the rows that draft with it, in the engine's order. A step asks every such
-row for k_i drafts (0: not this step); model drafters run one pass per draft position over all
-their rows (the first pass feeds what each row has not fed yet, right-padded; rows not drafting
-feed nothing), and after verification each row's cache is cut back by its own amount.
+Each drafter keeps the rows that draft with it (its own order; blocks name their rows). A step
+asks every such row for k_i drafts (0: not this step); model drafters run one pass per draft
+position over all their rows (the first pass feeds what each row has not fed yet,
+right-padded; rows not drafting feed nothing), and after verification each row's cache is cut
+back by its own amount. DFlash drafts a row's whole block in one pass and stores none of it.
 
 A finished row's drafter cache can wait in the prompt cache (`leave` returns it) and continue
 the next turn of its conversation (`join` takes it back with the shared prefix length).
