@@ -325,19 +325,13 @@ class BatchMTP(_ModelDrafter):
 
     def _first_hidden(self, want: list[int], lengths: list[int]) -> mx.array:
         """`[B, S, T]` hidden rows of the pending pairs fed by the first pass (zeros as pads)."""
-        width = max(lengths)
-        size = self._size
         rows = []
         for row, n in zip(self.rows, lengths, strict=True):
-            parts = self._hidden.get(row, []) if n else []
-            h = mx.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
+            h = _joined(self._hidden.get(row, [])) if n else None
             if h is not None:
                 self._hidden[row] = [h]
-            h = mx.zeros((0, size)) if h is None else h
-            if width > n:
-                h = mx.concatenate([h, mx.zeros((width - n, size), h.dtype)])
             rows.append(h)
-        return mx.stack(rows)
+        return _padded(rows, max(lengths), self._size)
 
     def _settle(self, row, drafted, accepted, emitted, hidden) -> None:
         length, pending = self._fed.pop(row)
@@ -406,14 +400,9 @@ class BatchDFlash(_ModelDrafter):
         queued = [self._hidden[row] for row in self.rows]
         lengths = [sum(h.shape[0] for h in q) for q in queued]
         if any(lengths):  # every row's newly committed positions join its context
-            width = max(lengths)
-            like = next(h for q in queued for h in q)
-            padded = []
-            for q, n in zip(queued, lengths, strict=True):
-                pad = mx.zeros((width - n, like.shape[-1]), like.dtype)
-                parts = q + ([pad] if width > n else [])
-                padded.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
-            self.model.feed_rows(mx.stack(padded), self.cache, lengths)
+            rows = [_joined(q) for q in queued]
+            size = next(h for h in rows if h is not None).shape[-1]
+            self.model.feed_rows(_padded(rows, max(lengths), size), self.cache, lengths)
             for row in self.rows:
                 self._hidden[row] = []
         k = max(want)
@@ -439,6 +428,24 @@ class BatchDFlash(_ModelDrafter):
         if hidden is not None and hidden.shape[0]:
             self._hidden[row].append(hidden)
         self._pending[row] = [emitted[-1]]
+
+
+def _joined(parts: list[mx.array]) -> mx.array | None:
+    """Arrays of rows concatenated (None: there are none)."""
+    return mx.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
+
+
+def _padded(rows: list[mx.array | None], width: int, size: int) -> mx.array:
+    """`[B, width, size]`: each row's `[n, size]` array (None: none), then rows of zeros."""
+    dtype = next((h.dtype for h in rows if h is not None), mx.float32)
+    out = []
+    for h in rows:
+        n = 0 if h is None else h.shape[0]
+        parts = ([] if h is None else [h]) + (
+            [mx.zeros((width - n, size), dtype)] if width > n else []
+        )
+        out.append(_joined(parts))
+    return mx.stack(out)
 
 
 def _prefill(model: nn.Module, cache: BatchCache, tokens: list[int], hidden=None, step=2048):
