@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_sampling import RowRandom, batch_probs, draw, gumbel
 from mlx_spec.drafters.ngram import find_continuation
+from mlx_spec.hidden import head_positions
 from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
@@ -214,20 +215,18 @@ class _ModelDrafter(BatchDrafter):
         kept, self.cache = self.cache, BatchCache(self.model, 1)
         try:  # one token through a fresh one-row cache
             hidden = mx.zeros((1, 1, width)) if self.needs_hidden else None
-            self._pass(mx.zeros((1, 1), mx.uint32), [1], hidden)
+            self._pass(mx.zeros((1, 1), mx.uint32), [1], hidden, mx.zeros((1,), mx.int32))
             return self.cache.bytes_per_token()
         finally:
             self.cache = kept
 
-    def _pass(self, x: mx.array, lengths: list[int], hidden: mx.array | None) -> mx.array:
-        """One pass over the drafter's rows: `[B, S]` ids (row i's first `lengths[i]` real)."""
+    def _pass(self, x: mx.array, lengths: list[int], hidden: mx.array | None, at) -> mx.array:
+        """One pass over the drafter's rows: `[B, S]` ids (row i's first `lengths[i]` real);
+        the logits `[B, V]` at row i's position `at[i]` (the head projects no other)."""
         self.cache.begin(lengths)
-        if hidden is None:
-            logits = self.model(x, cache=self.cache.layers)
-        else:
-            logits = self.model(x, cache=self.cache.layers, hidden=hidden)
+        logits = _logits_at(self.model, x, self.cache.layers, hidden, at)
         self.cache.end(lengths)
-        return logits
+        return logits[:, 0]
 
     def draft(self, ks, configs, randoms) -> DraftBlock | None:
         want = [ks.get(row, 0) if self._pending[row] else 0 for row in self.rows]
@@ -245,20 +244,22 @@ class _ModelDrafter(BatchDrafter):
         configs = [configs.get(row, SamplingConfig()) for row in self.rows]
         randoms = [randoms.get(row) for row in self.rows]
         at = mx.array([max(n - 1, 0) for n in lengths])
+        greedy = all(c.greedy for c, k in zip(configs, want, strict=True) if k)
         tokens, probs = [], []
         for step in range(max(want)):
-            logits = self._pass(x, lengths, hidden)
-            last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0, : self.vocab]
-            p = batch_probs(last, configs)
-            drawing = [r if k > step else None for r, k in zip(randoms, want, strict=True)]
-            token = draw(p, gumbel(drawing, (p.shape[-1],)))  # [B]
+            last = self._pass(x, lengths, hidden, at)[:, : self.vocab]
+            if greedy:  # every drafting row takes the argmax: no distributions, no noise
+                token = mx.argmax(last, axis=-1).astype(mx.uint32)
+            else:
+                p = batch_probs(last, configs)
+                drawing = [r if k > step else None for r, k in zip(randoms, want, strict=True)]
+                token = draw(p, gumbel(drawing, (p.shape[-1],)))  # [B]
+                probs.append(p)
             tokens.append(token)
-            probs.append(p)
             lengths = [1 if k > step + 1 else 0 for k in want]
             if self.needs_hidden:  # the module's own output at the drawing position
-                hidden = mx.take_along_axis(self.model.feedback, at[:, None, None], axis=1)
+                hidden = self.model.feedback
             x, at = token[:, None], mx.zeros_like(at)
-        greedy = all(c.greedy for c, k in zip(configs, want, strict=True) if k)
         dists = None if greedy else mx.stack(probs, axis=1)  # [B, steps, V]
         return DraftBlock(list(self.rows), want, mx.stack(tokens, axis=1), dists)
 
@@ -449,14 +450,21 @@ def _padded(rows: list[mx.array | None], width: int, size: int) -> mx.array:
 
 
 def _prefill(model: nn.Module, cache: BatchCache, tokens: list[int], hidden=None, step=2048):
-    """Feed a one-row cache `tokens` (with their `[len, T]` hidden rows for MTP heads)."""
+    """Feed a one-row cache `tokens` (with their `[len, T]` hidden rows for MTP heads); the
+    head projects one position per chunk (no logits are wanted)."""
     for start in range(0, len(tokens), step):
         chunk = tokens[start : start + step]
         cache.begin([len(chunk)])
         x = mx.array([chunk], mx.uint32)
-        if hidden is None:
-            model(x, cache=cache.layers)
-        else:
-            model(x, cache=cache.layers, hidden=hidden[None, start : start + step])
+        rows = None if hidden is None else hidden[None, start : start + step]
+        _logits_at(model, x, cache.layers, rows, mx.zeros((1,), mx.int32))
         cache.end([len(chunk)])
         mx.eval(cache.state)
+
+
+def _logits_at(model: nn.Module, x: mx.array, layers: list, hidden, at: mx.array) -> mx.array:
+    """`[B, 1, V]`: the model's logits at row i's position `at[i]` only. Drafter heads of
+    ours (MTP, EAGLE-3) narrow themselves; a draft model's head is narrowed from outside."""
+    if hidden is not None:
+        return model(x, cache=layers, hidden=hidden, at=at)
+    return head_positions(model)(model, at, x, cache=layers)

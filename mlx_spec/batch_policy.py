@@ -58,13 +58,21 @@ class _Costs:
     own, after plain steps) its share of their first pass. c0 .. c3 are fitted per drafter
     set by least squares over the steps run (decayed, all batch sizes pooled, so that what
     B = 8 taught serves B = 5), behind a prior of a few steps' weight: 0.05, 0.1, 0.1 and
-    0.01 of a one-row plain step."""
+    0.01 of a one-row plain step.
+
+    A pass's cost is not linear in its width everywhere: a CPU's matrix kernels run some
+    widths much faster than their neighbours (on a 2-core x86, 8 rows verifying 1 draft each
+    cost about what a plain step does, 2 drafts each 40% more). So each (drafter set, B, K)
+    also keeps the average of its own steps' cost beyond the plain step and the catch-up,
+    and where it has some, the prediction leans on it over the line (a step of its own
+    weighs as much as the line)."""
 
     def __init__(self, decay: float = 0.97, alpha: float = 0.2, prior_weight: float = 3.0):
         self.decay, self.alpha, self.prior_weight = decay, alpha, prior_weight
         self.plain: dict[int, float] = {}
         self.fits: dict[tuple, list] = {}  # arms -> [x^T x (4x4), x^T y (4)]
         self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2, c3), until a step
+        self.cells: dict[tuple, list[float]] = {}  # (arms, B, K) -> [decayed sum, weight]
 
     def plain_seconds(self, rows: int) -> float:
         if rows in self.plain:
@@ -98,16 +106,24 @@ class _Costs:
         if big_k == 0:
             return plain
         c0, c1, c2, c3 = self.weights(arms)
-        return plain + c0 + big_k * (c1 + c2 * rows) + c3 * catch_up
+        extra = c0 + big_k * (c1 + c2 * rows)
+        cell = self.cells.get((arms, rows, big_k))
+        if cell is not None:  # the cell's own steps, as much as they weigh, over the line
+            extra = (cell[0] + extra) / (cell[1] + 1.0)
+        return plain + extra + c3 * catch_up
 
     def observe(self, rows: int, big_k: int, arms: tuple, seconds: float, catch_up=0) -> None:
-        self._solved.clear()
         if big_k == 0:
             old = self.plain.get(rows)
             self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
+            self._solved.clear()
             return
         predicted = self.seconds(rows, big_k, arms, catch_up)
         extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
+        own = extra - self.weights(arms)[3] * catch_up  # the catch-up, as fitted so far
+        cell = self.cells.setdefault((arms, rows, big_k), [0.0, 0.0])
+        cell[0], cell[1] = self.decay * cell[0] + own, self.decay * cell[1] + 1.0
+        self._solved.clear()
         x = np.array([1.0, big_k, big_k * rows, catch_up])
         xtx, xty = self.fits.get(arms, (np.zeros((4, 4)), np.zeros(4)))
         self.fits[arms] = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * extra)

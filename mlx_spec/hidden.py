@@ -65,6 +65,50 @@ def tap_hidden(model: nn.Module) -> HiddenTap:
     return tap
 
 
+class HeadPositions:
+    """While `at` is set (`[B]` positions), the model's output head projects only row i's
+    position `at[i]` (logits `[B, 1, V]`): a drafter catching up over many positions needs
+    the logits of one."""
+
+    def __init__(self):
+        self.at: mx.array | None = None
+
+    def __call__(self, model: nn.Module, at: mx.array | None, *args, **kwargs) -> mx.array:
+        """`model(*args, **kwargs)` with the head narrowed to `at` (None: every position)."""
+        self.at = at
+        try:
+            return model(*args, **kwargs)
+        finally:
+            self.at = None
+
+
+def _selecting_subclass(cls: type, method: str) -> type:
+    key = (cls, f"{method}@")
+    if key not in _SUBCLASSES:
+        original = getattr(cls, method)
+
+        def selecting(self, x, *args, **kwargs):
+            at = self._mlx_spec_positions.at
+            if at is not None:
+                x = mx.take_along_axis(x, at[:, None, None], axis=1)
+            return original(self, x, *args, **kwargs)
+
+        _SUBCLASSES[key] = type(f"Selecting{cls.__name__}", (cls,), {method: selecting})
+    return _SUBCLASSES[key]
+
+
+def head_positions(model: nn.Module) -> HeadPositions:
+    """Let `model`'s head project chosen positions only (see `HeadPositions`; idempotent per
+    model). Parameters, names and numerics are untouched."""
+    head, method = find_head(model)
+    positions = head.__dict__.get("_mlx_spec_positions")
+    if positions is None:
+        positions = HeadPositions()
+        object.__setattr__(head, "_mlx_spec_positions", positions)
+        head.__class__ = _selecting_subclass(type(head), method)
+    return positions
+
+
 # --- several layers: the features EAGLE-3 and DFlash read -------------------------------------
 
 

@@ -411,9 +411,11 @@ def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair, drafter):  # noq
 # ---------------------------------------------------------------------------------- policy
 
 
-def drive(policy: BatchDraftPolicy, rows: int, accept: float, token_cost: float, steps: int = 300):
+def drive(
+    policy: BatchDraftPolicy, rows: int, accept: float, token_cost: float, steps=300, cost=None
+):
     """Feed the policy synthetic steps: each draft kept with probability `accept`; a step costs
-    1 ms + `token_cost` ms per target token + 0.2 ms per draft pass."""
+    1 ms + `token_cost` ms per target token + 0.2 ms per draft pass, or `cost(width)`."""
     rng = random.Random(0)
     ks = []
     for _ in range(steps):
@@ -428,6 +430,8 @@ def drive(policy: BatchDraftPolicy, rows: int, accept: float, token_cost: float,
             outcomes.append((k, n))
         width = 1 + max(k for _, k in choice.rows)
         seconds = 1e-3 * (1 + token_cost * rows * width + 0.2 * (width - 1))
+        if cost is not None:
+            seconds = cost(width)
         policy.observe(choice.rows, outcomes, seconds)
     return ks
 
@@ -440,6 +444,19 @@ def test_batch_policy_follows_the_cost_of_verification():
     dear = drive(BatchDraftPolicy(["draft"]), rows=8, accept=0.8, token_cost=1.0)
     assert sum(k >= 2 for k in cheap[-100:]) >= 90
     assert sum(k == 0 for k in dear[-100:]) >= 90
+
+
+def test_batch_policy_learns_a_width_that_costs_less_than_its_neighbours():
+    """A CPU's matrix kernels can run a pass of width 2 for little more than a plain one and
+    width 3 for far more (measured at B = 8 on a 2-core x86): the line through all widths
+    would make K = 1 look too dear and K = 2 too cheap; the per-width costs find K = 1."""
+    widths = {1: 20e-3, 2: 22e-3, 3: 32e-3, 4: 40e-3}
+
+    def cost(width):
+        return widths.get(width, 10e-3 * width) + 4e-3 * (width > 1)  # + drafting
+
+    ks = drive(BatchDraftPolicy(["draft"]), rows=8, accept=0.75, token_cost=0, cost=cost)
+    assert sum(k == 1 for k in ks[-100:]) >= 80
 
 
 def test_batchable_families(loaded):

@@ -241,11 +241,17 @@ class Eagle3Head(nn.Module):
         """g: target features through `fc`; a fed-back output (the head's width) as is."""
         return self.fc(hidden) if hidden.shape[-1] == self.features else hidden
 
-    def __call__(self, tokens: mx.array, cache: list, hidden: mx.array) -> mx.array:
+    def __call__(
+        self, tokens: mx.array, cache: list, hidden: mx.array, at: mx.array | None = None
+    ) -> mx.array:
+        """Logits `[B, S, V]`; with `at` (`[B]` positions) only row i's position `at[i]`:
+        `[B, 1, V]`, and `feedback` as narrow."""
         e = self.embed(tokens)
         g = self.g_of(hidden.astype(e.dtype))
         mask = create_attention_mask(g, cache[0], return_array=True)
         y = self.midlayer(e, g, mask, cache[0])
+        if at is not None:
+            y = mx.take_along_axis(y, at[:, None, None], axis=1)
         object.__setattr__(self, "feedback", y)
         logits = self.lm_head(self.norm(y))
         if self.target_ids is None:

@@ -112,7 +112,11 @@ class MTPModule(nn.Module):
         joined = [self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h)]
         return self.fc(mx.concatenate(joined, axis=-1))
 
-    def __call__(self, tokens: mx.array, cache: list, hidden: mx.array) -> mx.array:
+    def __call__(
+        self, tokens: mx.array, cache: list, hidden: mx.array, at: mx.array | None = None
+    ) -> mx.array:
+        """Logits `[B, S, V]`; with `at` (`[B]` positions) only row i's position `at[i]`:
+        `[B, 1, V]`, and `feedback` as narrow (what a catch-up over many positions needs)."""
         layer = self.layers[0]
         e = self._embed(tokens)
         x = self._project(e, hidden.astype(e.dtype))
@@ -122,9 +126,16 @@ class MTPModule(nn.Module):
         else:
             z = layer.final_layernorm(x) if self.family == "mimo" else self.norm(x)
             feedback = z
+        if at is not None:
+            z, feedback = _at(z, at), _at(feedback, at)
         object.__setattr__(self, "feedback", feedback)
         head, method = self._head
         return getattr(head, method)(z)
+
+
+def _at(x: mx.array, at: mx.array) -> mx.array:
+    """`[B, 1, D]`: row i's position `at[i]` of `[B, S, D]`."""
+    return mx.take_along_axis(x, at[:, None, None], axis=1)
 
 
 def target_hidden_size(model: nn.Module) -> int:
