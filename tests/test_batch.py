@@ -168,6 +168,30 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
             assert tokens == plain.tokens, (drafter, req["prompt"])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_narrowed_heads_give_the_logits_at_the_positions_asked(loaded, mtp_target, family):
+    """A batched drafter's catch-up projects its head at one position per row: a draft
+    model's head narrowed from outside (an lm_head, or gemma3's tied embedding with its
+    soft-capping after it) and the MTP head's own `at` give the full pass's logits there (and
+    the MTP head's fed-back state there), and the draft model is itself again afterwards."""
+    from mlx_spec.hidden import head_positions
+
+    draft = loaded[family][2]
+    x = mx.array([[3, 4, 5, 6], [7, 8, 9, 10]], mx.uint32)
+    at = mx.array([2, 0], mx.int32)
+    want = mx.take_along_axis(draft(x), at[:, None, None], axis=1)
+    got = head_positions(draft)(draft, at, x)
+    assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5)
+    assert draft(x).shape == (2, 4, want.shape[-1])  # no position set: every one again
+    head = mtp_target[2].module
+    hidden = mx.random.normal((2, 4, head.layers[0].input_layernorm.weight.shape[0]))
+    full = head(x, head.make_cache(), hidden)
+    feedback = head.feedback
+    got = head(x, head.make_cache(), hidden, at=at)
+    assert mx.allclose(got, mx.take_along_axis(full, at[:, None, None], axis=1), atol=1e-5)
+    assert mx.allclose(head.feedback, mx.take_along_axis(feedback, at[:, None, None], axis=1))
+
+
 def test_mtp_rows_take_entries_with_hidden_states(mtp_target):
     """A row drafting with the MTP head (it reads the target's hidden states) never takes an
     entry left by a plain row (none kept): it prefills anew, and its own entry then serves the
