@@ -63,7 +63,8 @@ class _Costs:
     A pass's cost is not linear in its width everywhere: a CPU's matrix kernels run some
     widths much faster than their neighbours (on a 2-core x86, 8 rows verifying 1 draft each
     cost about what a plain step does, 2 drafts each 40% more). So each (drafter set, B, K)
-    also keeps the average of its own steps' cost beyond the plain step and the catch-up,
+    also keeps the average of its own steps' cost beyond the plain step (steps without a
+    catch-up: the first steps after a plain stretch carry one, which the line places on c3),
     and where it has some, the prediction leans on it over the line (a step of its own
     weighs as much as the line)."""
 
@@ -120,9 +121,9 @@ class _Costs:
             return
         predicted = self.seconds(rows, big_k, arms, catch_up)
         extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
-        own = extra - self.weights(arms)[3] * catch_up  # the catch-up, as fitted so far
-        cell = self.cells.setdefault((arms, rows, big_k), [0.0, 0.0])
-        cell[0], cell[1] = self.decay * cell[0] + own, self.decay * cell[1] + 1.0
+        if not catch_up:  # a catch-up's cost is the line's to place (c3), not the cell's
+            cell = self.cells.setdefault((arms, rows, big_k), [0.0, 0.0])
+            cell[0], cell[1] = self.decay * cell[0] + extra, self.decay * cell[1] + 1.0
         self._solved.clear()
         x = np.array([1.0, big_k, big_k * rows, catch_up])
         xtx, xty = self.fits.get(arms, (np.zeros((4, 4)), np.zeros(4)))
