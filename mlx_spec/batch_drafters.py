@@ -467,4 +467,7 @@ def _logits_at(model: nn.Module, x: mx.array, layers: list, hidden, at: mx.array
     ours (MTP, EAGLE-3) narrow themselves; a draft model's head is narrowed from outside."""
     if hidden is not None:
         return model(x, cache=layers, hidden=hidden, at=at)
-    return head_positions(model)(model, at, x, cache=layers)
+    logits = head_positions(model)(model, at, x, cache=layers)
+    if logits.shape[1] != 1:  # a model whose output does not come from the head found
+        logits = mx.take_along_axis(logits, at[:, None, None], axis=1)
+    return logits

@@ -171,9 +171,9 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_narrowed_heads_give_the_logits_at_the_positions_asked(loaded, mtp_target, family):
     """A batched drafter's catch-up projects its head at one position per row: a draft
-    model's head narrowed from outside (an lm_head, or gemma3's tied embedding with its
-    soft-capping after it) and the MTP head's own `at` give the full pass's logits there (and
-    the MTP head's fed-back state there), and the draft model is itself again afterwards."""
+    model's head narrowed from outside (an lm_head, or gemma3's tied embedding) and the MTP
+    head's own `at` give the full pass's logits there (and the MTP head's fed-back state
+    there), and the draft model is itself again afterwards."""
     from mlx_spec.hidden import head_positions
 
     draft = loaded[family][2]
