@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_sampling import RowRandom, batch_probs, draw, gumbel
 from mlx_spec.drafters.ngram import find_continuation
-from mlx_spec.hidden import head_positions
+from mlx_spec.hidden import at_positions, head_positions
 from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
@@ -469,5 +469,5 @@ def _logits_at(model: nn.Module, x: mx.array, layers: list, hidden, at: mx.array
         return model(x, cache=layers, hidden=hidden, at=at)
     logits = head_positions(model)(model, at, x, cache=layers)
     if logits.shape[1] != 1:  # a model whose output does not come from the head found
-        logits = mx.take_along_axis(logits, at[:, None, None], axis=1)
+        logits = at_positions(logits, at)
     return logits

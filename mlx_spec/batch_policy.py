@@ -62,8 +62,8 @@ class _Costs:
 
     A pass's cost is not linear in its width everywhere: a CPU's matrix kernels run some
     widths much faster than their neighbours (on a 2-core x86, 8 rows verifying 1 draft each
-    cost about what a plain step does, 2 drafts each 40% more). So each (drafter set, B, K)
-    also keeps the average of its own steps' cost beyond the plain step (steps without a
+    cost about 15% more than a plain step, 2 drafts each about 50% more). So each (drafter
+    set, B, K) also keeps the average of its own steps' cost beyond the plain step (steps without a
     catch-up: the first steps after a plain stretch carry one, which the line places on c3),
     and where it has some, the prediction leans on it over the line (a step of its own
     weighs as much as the line)."""

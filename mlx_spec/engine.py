@@ -605,7 +605,7 @@ class BatchEngine:
         tokens, probs, counts = self._draft(rows, choice.rows)
         k = 0 if tokens is None else tokens.shape[1]
         if k:  # the drafters compute while the verifying pass is built
-            mx.async_eval(tokens) if probs is None else mx.async_eval(tokens, probs)
+            mx.async_eval(tokens if probs is None else (tokens, probs))
         lengths = [1 + n for n in counts]
         x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
         if k:

@@ -65,6 +65,11 @@ def tap_hidden(model: nn.Module) -> HiddenTap:
     return tap
 
 
+def at_positions(x: mx.array, at: mx.array) -> mx.array:
+    """`[B, 1, D]`: row i's position `at[i]` of `[B, S, D]`."""
+    return mx.take_along_axis(x, at[:, None, None], axis=1)
+
+
 class HeadPositions:
     """While `at` is set (`[B]` positions), the model's output head projects only row i's
     position `at[i]` (logits `[B, 1, V]`): a drafter catching up over many positions needs
@@ -90,7 +95,7 @@ def _selecting_subclass(cls: type, method: str) -> type:
         def selecting(self, x, *args, **kwargs):
             at = self._mlx_spec_positions.at
             if at is not None:
-                x = mx.take_along_axis(x, at[:, None, None], axis=1)
+                x = at_positions(x, at)
             return original(self, x, *args, **kwargs)
 
         _SUBCLASSES[key] = type(f"Selecting{cls.__name__}", (cls,), {method: selecting})

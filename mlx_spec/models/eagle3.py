@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_spec.hidden import decoder_layers, find_embedding
+from mlx_spec.hidden import at_positions, decoder_layers, find_embedding
 from mlx_spec.models.blocks import SwiGLU, shaped_like
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
@@ -251,7 +251,7 @@ class Eagle3Head(nn.Module):
         mask = create_attention_mask(g, cache[0], return_array=True)
         y = self.midlayer(e, g, mask, cache[0])
         if at is not None:
-            y = mx.take_along_axis(y, at[:, None, None], axis=1)
+            y = at_positions(y, at)
         object.__setattr__(self, "feedback", y)
         logits = self.lm_head(self.norm(y))
         if self.target_ids is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 
-from mlx_spec.hidden import find_embedding, find_head
+from mlx_spec.hidden import at_positions, find_embedding, find_head
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -121,21 +121,16 @@ class MTPModule(nn.Module):
         e = self._embed(tokens)
         x = self._project(e, hidden.astype(e.dtype))
         x = layer(x, create_attention_mask(x, cache[0], return_array=True), cache[0])
+        if at is not None:
+            x = at_positions(x, at)
         if self.family == "deepseek_v3":
             z, feedback = layer.shared_head.norm(x), x
         else:
             z = layer.final_layernorm(x) if self.family == "mimo" else self.norm(x)
             feedback = z
-        if at is not None:
-            z, feedback = _at(z, at), _at(feedback, at)
         object.__setattr__(self, "feedback", feedback)
         head, method = self._head
         return getattr(head, method)(z)
-
-
-def _at(x: mx.array, at: mx.array) -> mx.array:
-    """`[B, 1, D]`: row i's position `at[i]` of `[B, S, D]`."""
-    return mx.take_along_axis(x, at[:, None, None], axis=1)
 
 
 def target_hidden_size(model: nn.Module) -> int:
