@@ -166,12 +166,14 @@ class _Features:
         wanted = {self.kind_of[n] for n in names}
         return tuple(kind for kind in self.kinds if kind in wanted)
 
-    def keep(self, kinds: tuple, h: mx.array) -> mx.array:
-        """A row's columns (its `kinds`) of `[..., W]` features."""
-        if kinds == tuple(self.kinds):
+    def keep(self, kinds: tuple, h: mx.array, held: tuple | None = None) -> mx.array:
+        """A row's columns (its `kinds`) of `[..., W]` features of the kinds `held` (default:
+        every kind, as a pass records them)."""
+        held = tuple(self.kinds) if held is None else tuple(held)
+        if kinds == held:
             return h
         parts, start = [], 0
-        for kind in self.kinds:
+        for kind in held:
             end = start + self.widths[kind]
             if kind in kinds:
                 parts.append(h[..., start:end])
@@ -433,8 +435,9 @@ class BatchEngine:
             return
         row.prefill, row.fed = entry.cache, entry.reuse
         row.cached, row.states, row.common = entry.reuse, entry.states, entry.common
-        if row.needs_hidden:  # the entry kept them (`take` saw to it)
-            row.hidden = [entry.hidden[: entry.reuse]]
+        if row.needs_hidden:  # the entry kept them, and maybe more kinds (`take` saw to it)
+            hidden = entry.hidden[: entry.reuse]
+            row.hidden = [self.features.keep(row.features, hidden, entry.features)]
 
     def _first_token(self, row: _Row, token: int) -> None:
         """Emit the token drawn after the prompt (it joins the sequence, not yet the cache)."""

@@ -124,14 +124,16 @@ def parse_bytes(text: str) -> int:
 class RowEntry:
     """What `RowCache.take` hands out: the target's one-row cache cut back to `reuse` prompt
     tokens, the drafters' states ({name: state}), how many first tokens the new prompt shares
-    with the sequence those states follow (`common`), and the target's hidden states of that
-    sequence (for drafters that read them; None if not kept)."""
+    with the sequence those states follow (`common`), and the target's features of that
+    sequence (for drafters that read them; None if not kept) with the kinds they hold
+    (`features`: those asked for, or more)."""
 
     cache: object
     reuse: int
     states: dict
     common: int
     hidden: object = None
+    features: tuple = ()
 
 
 @dataclass
@@ -161,12 +163,13 @@ class RowCache(_LRU):
     ) -> RowEntry | None:
         """The entry that saves `prompt_ids` the most prefill, cut back to what the prompt
         shares (its last token is always prefilled anew), or None. With `features` (the kinds
-        of target features the row's drafters read), only entries that kept those count; among
-        entries that save as much, one holding states for more of `drafters` wins."""
+        of target features the row's drafters read), only entries that kept those (and maybe
+        more: a row of every drafter serves a row of one) count; among entries that save as
+        much, one holding states for more of `drafters` wins."""
         hidden = bool(features)
         best, best_score, best_reuse, best_common = None, (0, 0), 0, 0
         for item in self._entries:
-            if hidden and (item.hidden is None or item.features != tuple(features)):
+            if hidden and (item.hidden is None or not set(features) <= set(item.features)):
                 continue
             common = common_prefix(item.tokens, prompt_ids)
             reuse = min(common, len(prompt_ids) - 1, item.cache.lengths[0])
@@ -188,10 +191,12 @@ class RowCache(_LRU):
             cache.truncate([best_reuse])
             cache.compact()
             states = {k: None if s is None else s.copy() for k, s in best.states.items()}
-            return RowEntry(cache, best_reuse, states, best_common, best.hidden)
+            return RowEntry(cache, best_reuse, states, best_common, best.hidden, best.features)
         self._taken(best, best_reuse)
         best.cache.truncate([best_reuse])
-        return RowEntry(best.cache, best_reuse, best.states, best_common, best.hidden)
+        return RowEntry(
+            best.cache, best_reuse, best.states, best_common, best.hidden, best.features
+        )
 
     def put(self, tokens: list[int], cache, states: dict, hidden=None, features=()) -> None:
         """Keep a finished row's caches (dropping the entries it continues); `hidden`: its
@@ -210,7 +215,7 @@ class RowCache(_LRU):
     def _subsumes(tokens, cache, states, features, item: _RowItem) -> bool:
         """Whether a new entry serves every prompt `item` serves, as well: its sequence
         continues item's, it can be cut back to item's length, and it keeps every drafter
-        state and the hidden states item keeps."""
+        state and every kind of features item keeps."""
         n = len(item.tokens)
         if n > len(tokens) or common_prefix(item.tokens, tokens) < n:
             return False
@@ -218,4 +223,4 @@ class RowCache(_LRU):
             return False
         if any(s is not None and states.get(k) is None for k, s in item.states.items()):
             return False
-        return item.hidden is None or item.features == features
+        return item.hidden is None or set(item.features) <= set(features)

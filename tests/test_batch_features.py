@@ -180,6 +180,32 @@ def test_conversation_turn_reuses_the_features(setup, drafter):
     assert tokens == mlx_spec.generate(model, tok, second, max_tokens=12).tokens
 
 
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_an_entry_of_every_drafter_serves_a_row_of_one(setup, drafter):
+    """A turn answered with every drafter keeps both kinds of features; the next turn,
+    drafting with one drafter, takes that entry (the columns of its own kind), prefills only
+    what is new and answers as from scratch. The entry it leaves holds one kind, so a row of
+    every drafter finds nothing to take."""
+    model, tok = setup[:2]
+    engine = engine_with_both(setup, row_cache=RowCache())
+    first = [1, 4, 5, 6, 7, 8, 9, 10, 11]
+    ask = dict(sampling=GREEDY, max_tokens=12, num_draft=3)
+    ((reply, _),) = run_all(engine, [dict(ask, prompt=first, drafter="all")])
+    (entry,) = engine.row_cache._entries
+    assert len(entry.features) == 2
+    second = first + reply + [12, 13]
+    ((tokens, final),) = run_all(engine, [dict(ask, prompt=second, drafter=drafter)])
+    assert final.stats.cached_tokens == len(first) + len(reply) - 1
+    assert final.stats.drafted > 0
+    assert tokens == mlx_spec.generate(model, tok, second, max_tokens=12).tokens
+    (entry,) = engine.row_cache._entries
+    assert entry.features == engine.features.of([drafter])
+    assert entry.hidden.shape[-1] == engine.features.row_bytes(entry.features) // 4
+    third = second + tokens + [14]
+    ((_, final),) = run_all(engine, [dict(ask, prompt=third, drafter="all")])
+    assert final.stats.cached_tokens == 0
+
+
 DIST = SamplingConfig(temperature=1.0, top_k=3)
 RUNS = 1000
 LENGTH = 4  # the first token comes from the prefill; one round of k = 2 can emit the rest
