@@ -270,9 +270,8 @@ class BatchDraftPolicy:
         if best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
-            if self._steps % self.explore_every == 0:  # a neighbouring K keeps the fit honest
-                up = self._steps // self.explore_every % 2
-                big_k = max(1, min(self.max_draft, best[1] + (1 if up else -1)))
+            if self._steps % self.explore_every == 0:  # another K keeps the costs honest
+                big_k = self._explore(asks, best[1], accept)
                 return self._choice(asks, big_k, self._plan(asks, big_k, accept)[0])
             return self._choice(asks, best[1], best[2])
         self._speculating = False
@@ -281,6 +280,23 @@ class BatchDraftPolicy:
             self._probe_every = self._next_probe(best[0], plain_rate)
             return self._choice(asks, best[1], best[2], probe=True)
         return BatchChoice(0, plain_rows)
+
+    def _explore(self, asks, best: int, accept) -> int:
+        """The K an exploring step runs: of 1 .. best + 1 (best excluded), the one whose own
+        cost is least known (its cell has the least weight; the nearest to `best` among
+        equals). The line alone can price a width wrongly for good: fitted to K = 2 .. 4, it
+        made K = 1 look dear at B = 8 on a 2-core CPU, where a step of K = 1 costs far less
+        than the line says, so K = 1 never ran and never corrected it."""
+        candidates = [k for k in range(1, min(self.max_draft, best + 1) + 1) if k != best]
+        if not candidates:
+            return best
+
+        def known(big_k: int) -> tuple[float, int]:
+            b, k, arms = self.shape(self._plan(asks, big_k, accept)[0])
+            cell = self.costs.cells.get((arms, b, k))
+            return (0.0 if cell is None else cell[1], abs(big_k - best))
+
+        return min(candidates, key=known)
 
     def _choice(self, asks, big_k: int, rows, probe: bool = False) -> BatchChoice:
         return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows))

@@ -483,6 +483,35 @@ def test_batch_policy_learns_a_width_that_costs_less_than_its_neighbours():
     assert sum(k == 1 for k in ks[-100:]) >= 80
 
 
+def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
+    """A policy that has seen steps of K = 2 .. 4 only (at B = 8 its K = 1 steps all came
+    after plain stretches, with a catch-up, which the widths' own costs leave out) prices
+    K = 1 by the line through them, dearer than it is, and K = 3 wins. Exploring the widths
+    around the best one never runs K = 1 for long; exploring the least-known one runs it on
+    the first exploring step, and K = 1 wins from there on."""
+    steps = {1: 19.5e-3, 2: 24.5e-3, 3: 39.5e-3, 4: 40.5e-3, 5: 49.5e-3}
+
+    def cost(width):
+        return steps.get(width, 10e-3 * width)
+
+    policy, rng = BatchDraftPolicy(["mtp"]), random.Random(1)
+    for _ in range(10):
+        policy.observe([(None, 0)] * 8, [(0, 0)] * 8, cost(1))
+    for k in [2, 3, 4] * 30:
+        outcomes = []
+        for _ in range(8):
+            n = 0
+            while n < k and rng.random() < 0.75:
+                n += 1
+            outcomes.append((k, n))
+        policy.observe([(0, k)] * 8, outcomes, cost(k + 1))
+    assert policy.costs.seconds(8, 1, (0,)) > 1.2 * cost(2)  # the line's price of K = 1
+    ks = drive(policy, rows=8, accept=0.75, token_cost=0, cost=cost)
+    assert ks[: policy.explore_every - 1] == [3] * (policy.explore_every - 1)
+    assert sum(k == 1 for k in ks[:60]) >= 30
+    assert sum(k == 1 for k in ks[-100:]) >= 70
+
+
 def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
