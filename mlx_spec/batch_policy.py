@@ -152,8 +152,9 @@ class BatchDraftPolicy:
         probe_min, probe_max, probe_budget: plain steps between probes while speculation loses:
             doubling from probe_min up to probe_max, or beyond where a probe's expected loss
             would exceed `probe_budget` of the time between probes.
-        explore_every: every this many speculative steps, K one above or below the best runs
-            instead, so that the cost model sees more than one width.
+        explore_every: every this many speculative steps, another K (of 1 .. best + 1, the
+            one whose own cost is least known) runs instead, so that the cost model sees
+            every width it might choose.
         horizon: the speculative steps a catch-up is expected to serve (its cost is spread
             over them when choosing).
     """
