@@ -13,9 +13,14 @@ configuration's throughput over the peer's at the same N.
 Run it on any device MLX has (on a GPU the passes are memory-bound, as on a Mac, and verifying
 a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound already).
 
+`--trace` prints, under each mode, where its speculative steps' time went (the engine's
+`StepTrace`: building the drafters' graphs, queueing them, building the verifying pass,
+waiting for it, and the host's work after it), per rows and drafts.
+
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
     python benchmarks/batch_engine.py --concurrency 8 --temperature 1.0 --json out.json
+    python benchmarks/batch_engine.py --concurrency 8 --modes plain mtp --num-draft 1 --trace
 """
 
 from __future__ import annotations
@@ -99,6 +104,20 @@ def run_peer(model, prompts, max_tokens: int, temperature: float):
     return tokens, seconds, 0.0
 
 
+def print_trace(trace: list) -> None:
+    """Per (rows, drafts): the median milliseconds of each part of a speculative step (the
+    engine's `StepTrace`), over the steps without a catch-up."""
+    parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
+    shapes: dict[tuple, list] = {}
+    for step in trace:
+        if not step.catch_up:
+            shapes.setdefault((step.rows, step.num_draft), []).append(step)
+    for (rows, k), steps in sorted(shapes.items()):
+        ms = [1e3 * statistics.median(getattr(s, part) for s in steps) for part in parts]
+        cells = "  ".join(f"{part} {v:5.2f}" for part, v in zip(parts, ms, strict=True))
+        print(f"      B={rows} K={k} ({len(steps)} steps): {cells}  total {sum(ms):5.1f}")
+
+
 def configurations(engine, model, batch, args) -> list:
     """(name, run) for each mode and the peer, each run returning (tokens, seconds, acceptance)."""
     out = []
@@ -135,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         help="k of every drafting row: auto (the batch policy's K, default) or a fixed k",
     )
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also print where the speculative steps' time went, per rows and drafts (medians "
+        "over the steps without a catch-up, ms)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -167,11 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = BatchEngine(model, tokenizer, vocab, drafters, max_batch=n, prefill_step=4096)
         configs = configurations(engine, model, batch, args)
         runs: dict[str, list] = {name: [] for name, _ in configs}
+        traces: dict[str, list] = {}
         for _, fn in configs:  # warm-up (and the policy's first measurements)
             fn()
         for r in range(args.repeats):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for name, fn in order:
+                engine.trace = traces.setdefault(name, []) if args.trace else None
                 tokens, seconds, acceptance = fn()
                 runs[name].append((tokens / seconds, acceptance))
         peer = statistics.median(t for t, _ in runs["mlx-lm"])
@@ -187,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"acceptance {row['acceptance']:.2f}",
                 flush=True,
             )
+            if traces.get(name):
+                print_trace(traces[name])
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         **machine_info(),

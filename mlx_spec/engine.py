@@ -131,6 +131,25 @@ class _Row:
         return bool(self.features)
 
 
+@dataclass
+class StepTrace:
+    """Where one speculative step's seconds went (`BatchEngine.trace`): rows B, drafts K,
+    catch-up tokens; `draft_build`: building the drafters' graphs (the device idle);
+    `draft_queue`: queueing them (on a CPU, MLX returns only once a bounded number of its
+    operations are still pending, so this runs most of the drafting); `verify_build`: building
+    the verifying pass while the drafts finish; `verify`: waiting for it; `host`: reading the
+    outcome, the rows' bookkeeping and the policy (the device idle again)."""
+
+    rows: int
+    num_draft: int
+    catch_up: int
+    draft_build: float
+    draft_queue: float
+    verify_build: float
+    verify: float
+    host: float
+
+
 class _Features:
     """The target features the engine's drafters read, one kind per drafter that reads any (the
     final hidden state: MTP heads; its layers' features: EAGLE-3, DFlash), recorded on every
@@ -258,6 +277,8 @@ class BatchEngine:
         self._last_settle = time.perf_counter()
         self._prefill_spent = 0.0  # prefill time since the last settled step
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
+        # Set to a list to record where each speculative step's time goes (`StepTrace`).
+        self.trace: list[StepTrace] | None = None
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -607,8 +628,10 @@ class BatchEngine:
         tic = time.perf_counter()
         tokens, probs, counts = self._draft(rows, choice.rows)
         k = 0 if tokens is None else tokens.shape[1]
+        built = time.perf_counter()
         if k:  # the drafters compute while the verifying pass is built
             mx.async_eval(tokens if probs is None else (tokens, probs))
+        queued = time.perf_counter()
         lengths = [1 + n for n in counts]
         x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
         if k:
@@ -623,7 +646,9 @@ class BatchEngine:
         if self.sync is not None:  # rank 0's outcome, one collective for both
             both = self.sync.share(mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)]))
             accepted, nxt = both[0], both[1]
+        waited = time.perf_counter()
         mx.eval(accepted, nxt, x)
+        read = time.perf_counter()
         accepted, nxt, fed = accepted.tolist(), nxt.tolist(), x.tolist()
         targets = self.cache.lengths
         outcomes = []
@@ -637,6 +662,10 @@ class BatchEngine:
         self.cache.truncate(targets)
         self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic, choice.catch_up)
         self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
+        if self.trace is not None:
+            stamps = [tic, built, queued, waited, read, self._last_settle]
+            spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            self.trace.append(StepTrace(len(rows), k, choice.catch_up, *spans))
 
     def _draft(self, rows: list[_Row], plan):
         """The step's drafts: `[B, K]` ids, `[B, K, V]` distributions (None: every draft

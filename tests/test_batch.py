@@ -7,6 +7,7 @@ reproducible whatever runs beside them, and the batch policy's choices."""
 from __future__ import annotations
 
 import random
+import time
 
 import mlx_spec
 import mlx_spec.batch_sampling
@@ -153,6 +154,26 @@ def test_greedy_rows_equal_single_stream(loaded, family, drafter, num_draft):
     if drafter is not None:
         assert sum(final.stats.drafted for _, final in results) > 0
     assert engine.cache is None and all(not d.rows for d in drafters.values())
+
+
+def test_engine_trace_records_each_speculative_step(loaded):
+    """With `trace` set, every speculative step leaves a `StepTrace`: its rows, its drafts (at
+    most the requests' k) and five spans that are never negative and fit in the run's time;
+    the drafts the rows report fit in what the steps drafted."""
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
+    engine.trace = []
+    requests = busy_requests(scored_vocab(model, tok), "draft-model", 3, n=5)
+    tic = time.perf_counter()
+    results = run_all(engine, requests)
+    seconds = time.perf_counter() - tic
+    trace = engine.trace
+    assert trace and all(1 <= t.rows <= 4 and 1 <= t.num_draft <= 3 for t in trace)
+    spans = [[t.draft_build, t.draft_queue, t.verify_build, t.verify, t.host] for t in trace]
+    assert all(s >= 0 for step in spans for s in step)
+    assert sum(map(sum, spans)) < seconds
+    drafted = sum(final.stats.drafted for _, final in results)
+    assert 0 < drafted <= sum(t.rows * t.num_draft for t in trace)
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])
