@@ -106,7 +106,7 @@ def run_peer(model, prompts, max_tokens: int, temperature: float):
 
 def print_trace(trace: list) -> None:
     """Per (rows, drafts): the median milliseconds of each part of a speculative step (the
-    engine's `StepTrace`), over the steps without a catch-up."""
+    engine's `StepTrace`) and the mean tokens it emitted, over the steps without a catch-up."""
     parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
     shapes: dict[tuple, list] = {}
     for step in trace:
@@ -115,7 +115,11 @@ def print_trace(trace: list) -> None:
     for (rows, k), steps in sorted(shapes.items()):
         ms = [1e3 * statistics.median(getattr(s, part) for s in steps) for part in parts]
         cells = "  ".join(f"{part} {v:5.2f}" for part, v in zip(parts, ms, strict=True))
-        print(f"      B={rows} K={k} ({len(steps)} steps): {cells}  total {sum(ms):5.1f}")
+        tokens = statistics.mean(s.tokens for s in steps)
+        print(
+            f"      B={rows} K={k} ({len(steps)} steps): {cells}  total {sum(ms):5.1f}  "
+            f"tokens {tokens:4.1f} ({tokens / sum(ms):.2f}/ms)"
+        )
 
 
 def configurations(engine, model, batch, args) -> list:

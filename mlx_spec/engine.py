@@ -134,7 +134,8 @@ class _Row:
 @dataclass
 class StepTrace:
     """Where one speculative step's seconds went (`BatchEngine.trace`): rows B, drafts K,
-    catch-up tokens; `draft_build`: building the drafters' graphs (the device idle);
+    catch-up tokens, the tokens it emitted over its rows; `draft_build`: building the
+    drafters' graphs (the device idle);
     `draft_queue`: queueing them (on a CPU, MLX returns only once a bounded number of its
     operations are still pending, so this runs most of the drafting); `verify_build`: building
     the verifying pass while the drafts finish; `verify`: waiting for it; `host`: reading the
@@ -143,6 +144,7 @@ class StepTrace:
     rows: int
     num_draft: int
     catch_up: int
+    tokens: int
     draft_build: float
     draft_queue: float
     verify_build: float
@@ -665,7 +667,8 @@ class BatchEngine:
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-            self.trace.append(StepTrace(len(rows), k, choice.catch_up, *spans))
+            tokens = sum(1 + n for _, n in outcomes)
+            self.trace.append(StepTrace(len(rows), k, choice.catch_up, tokens, *spans))
 
     def _draft(self, rows: list[_Row], plan):
         """The step's drafts: `[B, K]` ids, `[B, K, V]` distributions (None: every draft

@@ -174,6 +174,8 @@ def test_engine_trace_records_each_speculative_step(loaded):
     assert sum(map(sum, spans)) < seconds
     drafted = sum(final.stats.drafted for _, final in results)
     assert 0 < drafted <= sum(t.rows * t.num_draft for t in trace)
+    assert all(t.rows <= t.tokens <= t.rows * (1 + t.num_draft) for t in trace)
+    assert sum(t.tokens for t in trace) < sum(len(tokens) for tokens, _ in results)
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])
