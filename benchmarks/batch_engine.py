@@ -13,9 +13,10 @@ configuration's throughput over the peer's at the same N.
 Run it on any device MLX has (on a GPU the passes are memory-bound, as on a Mac, and verifying
 a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound already).
 
-`--trace` prints, under each mode, where its speculative steps' time went (the engine's
-`StepTrace`: building the drafters' graphs, queueing them, building the verifying pass,
-waiting for it, and the host's work after it), per rows and drafts.
+`--trace` prints, under each mode, where its steps' time went (the engine's `StepTrace`:
+building the drafters' graphs, queueing them, building the verifying pass, waiting for it,
+and the host's work after it; a plain step's time is all its pass's), per rows and drafts
+(K = 0: plain steps), with the tokens the steps emitted per millisecond.
 
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
@@ -105,8 +106,9 @@ def run_peer(model, prompts, max_tokens: int, temperature: float):
 
 
 def print_trace(trace: list) -> None:
-    """Per (rows, drafts): the median milliseconds of each part of a speculative step (the
-    engine's `StepTrace`) and the mean tokens it emitted, over the steps without a catch-up."""
+    """Per (rows, drafts): the median milliseconds of each part of a step (the engine's
+    `StepTrace`; K = 0: plain steps) and the mean tokens it emitted, over the steps without a
+    catch-up."""
     parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
     shapes: dict[tuple, list] = {}
     for step in trace:
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--trace",
         action="store_true",
-        help="also print where the speculative steps' time went, per rows and drafts (medians "
+        help="also print where the steps' time went, per rows and drafts (medians "
         "over the steps without a catch-up, ms)",
     )
     p.add_argument("--json", help="write the results here")

@@ -133,13 +133,14 @@ class _Row:
 
 @dataclass
 class StepTrace:
-    """Where one speculative step's seconds went (`BatchEngine.trace`): rows B, drafts K,
-    catch-up tokens, the tokens it emitted over its rows; `draft_build`: building the
-    drafters' graphs (the device idle);
-    `draft_queue`: queueing them (on a CPU, MLX returns only once a bounded number of its
-    operations are still pending, so this runs most of the drafting); `verify_build`: building
-    the verifying pass while the drafts finish; `verify`: waiting for it; `host`: reading the
-    outcome, the rows' bookkeeping and the policy (the device idle again)."""
+    """Where one step's seconds went (`BatchEngine.trace`): rows B, drafts K, catch-up
+    tokens, the tokens it emitted over its rows; `draft_build`: building the drafters' graphs
+    (the device idle); `draft_queue`: queueing them (on a CPU, MLX returns only once a
+    bounded number of its operations are still pending, so this runs most of the drafting);
+    `verify_build`: building the verifying pass while the drafts finish; `verify`: waiting
+    for it; `host`: reading the outcome, the rows' bookkeeping and the policy (the device idle
+    again). A plain step (K = 0; each pass is queued before the last is read) is timed from
+    the last step read to its own, all in `verify`."""
 
     rows: int
     num_draft: int
@@ -603,16 +604,21 @@ class BatchEngine:
         queued get nothing: their token is dropped with their caches)."""
         tokens = ahead.tokens.tolist()
         rows = {r.id: r for r in self.active}
+        emitted = 0
         for i, row_id in enumerate(ahead.ids):
             row = rows.get(row_id)
             if row is None or row.done:
                 continue
             hidden = None if ahead.hidden is None else ahead.hidden[i : i + 1]
             self._emit(row, [tokens[i]], 0, 0, hidden)
+            emitted += 1
         now = time.perf_counter()
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
             self.policy.observe(choice.rows, [(0, 0)] * len(choice.rows), seconds)
+            if self.trace is not None:  # a pipelined step: its time is its pass's
+                spans = [0.0, 0.0, 0.0, seconds, 0.0]
+                self.trace.append(StepTrace(len(ahead.ids), 0, 0, emitted, *spans))
         self._last_settle, self._prefill_spent = now, 0.0
 
     def _flush(self, choice=None) -> None:

@@ -156,26 +156,31 @@ def test_greedy_rows_equal_single_stream(loaded, family, drafter, num_draft):
     assert engine.cache is None and all(not d.rows for d in drafters.values())
 
 
-def test_engine_trace_records_each_speculative_step(loaded):
+def test_engine_trace_records_each_step(loaded):
     """With `trace` set, every speculative step leaves a `StepTrace`: its rows, its drafts (at
-    most the requests' k) and five spans that are never negative and fit in the run's time;
-    the drafts the rows report fit in what the steps drafted."""
+    most the requests' k), the tokens it emitted and five spans that are never negative and
+    fit in the run's time; the drafts the rows report fit in what the steps drafted. Plain
+    steps (timed ones: the pipeline's) leave theirs with K = 0 and their time in `verify`."""
     model, tok, draft, _ = loaded["llama"]
     engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
     engine.trace = []
     requests = busy_requests(scored_vocab(model, tok), "draft-model", 3, n=5)
+    requests += busy_requests(scored_vocab(model, tok), None, 0, n=3)
     tic = time.perf_counter()
     results = run_all(engine, requests)
     seconds = time.perf_counter() - tic
-    trace = engine.trace
-    assert trace and all(1 <= t.rows <= 4 and 1 <= t.num_draft <= 3 for t in trace)
-    spans = [[t.draft_build, t.draft_queue, t.verify_build, t.verify, t.host] for t in trace]
-    assert all(s >= 0 for step in spans for s in step)
-    assert sum(map(sum, spans)) < seconds
+    spec = [t for t in engine.trace if t.num_draft]
+    plain = [t for t in engine.trace if not t.num_draft]
+    assert spec and all(1 <= t.rows <= 4 and t.num_draft <= 3 for t in spec)
+    assert all(t.rows <= t.tokens <= t.rows * (1 + t.num_draft) for t in spec)
     drafted = sum(final.stats.drafted for _, final in results)
-    assert 0 < drafted <= sum(t.rows * t.num_draft for t in trace)
-    assert all(t.rows <= t.tokens <= t.rows * (1 + t.num_draft) for t in trace)
-    assert sum(t.tokens for t in trace) < sum(len(tokens) for tokens, _ in results)
+    assert 0 < drafted <= sum(t.rows * t.num_draft for t in spec)
+    assert plain and all(t.tokens <= t.rows and t.verify > 0 for t in plain)
+    assert all(t.draft_build == t.draft_queue == t.verify_build == t.host == 0 for t in plain)
+    spans = [[t.draft_build, t.draft_queue, t.verify_build, t.verify, t.host] for t in spec]
+    assert all(s >= 0 for step in spans for s in step)
+    assert sum(map(sum, spans)) + sum(t.verify for t in plain) < seconds
+    assert sum(t.tokens for t in engine.trace) < sum(len(tokens) for tokens, _ in results)
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])
