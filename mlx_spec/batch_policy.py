@@ -261,9 +261,9 @@ class BatchDraftPolicy:
         plain_rate = self._rate(asks, plain_rows, plain_tokens)
         if self._plain_seen < 2 or not any(a.arms for a in asks):
             return BatchChoice(0, plain_rows)
-        best = None
+        best, plans = None, {}
         for big_k in range(1, self.max_draft + 1):
-            rows, tokens = self._plan(asks, big_k, accept)
+            rows, tokens = plans[big_k] = self._plan(asks, big_k, accept)
             rate = self._rate(asks, rows, tokens)
             if best is None or rate > best[0]:
                 best = (rate, big_k, rows)
@@ -272,8 +272,8 @@ class BatchDraftPolicy:
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
-                big_k = self._explore(asks, best[1], accept)
-                return self._choice(asks, big_k, self._plan(asks, big_k, accept)[0])
+                big_k = self._explore(best[1], plans)
+                return self._choice(asks, big_k, plans[big_k][0])
             return self._choice(asks, best[1], best[2])
         self._speculating = False
         if self._since_spec >= self._probe_every:
@@ -282,18 +282,19 @@ class BatchDraftPolicy:
             return self._choice(asks, best[1], best[2], probe=True)
         return BatchChoice(0, plain_rows)
 
-    def _explore(self, asks, best: int, accept) -> int:
+    def _explore(self, best: int, plans: dict) -> int:
         """The K an exploring step runs: of 1 .. best + 1 (best excluded), the one whose own
         cost is least known (its cell has the least weight; the nearest to `best` among
         equals). The line alone can price a width wrongly for good: fitted to K = 2 .. 4, it
         made K = 1 look dear at B = 8 on a 2-core CPU, where a step of K = 1 costs far less
-        than the line says, so K = 1 never ran and never corrected it."""
+        than the line says, so K = 1 never ran and never corrected it. `plans`: each K's
+        (rows, tokens), as `choose` planned them."""
         candidates = [k for k in range(1, min(self.max_draft, best + 1) + 1) if k != best]
         if not candidates:
             return best
 
         def known(big_k: int) -> tuple[float, int]:
-            b, k, arms = self.shape(self._plan(asks, big_k, accept)[0])
+            b, k, arms = self.shape(plans[big_k][0])
             cell = self.costs.cells.get((arms, b, k))
             return (0.0 if cell is None else cell[1], abs(big_k - best))
 

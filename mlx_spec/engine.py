@@ -280,7 +280,7 @@ class BatchEngine:
         self._last_settle = time.perf_counter()
         self._prefill_spent = 0.0  # prefill time since the last settled step
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
-        # Set to a list to record where each speculative step's time goes (`StepTrace`).
+        # Set to a list to record where each step's time goes (`StepTrace`).
         self.trace: list[StepTrace] | None = None
 
     # --- requests ----------------------------------------------------------------------------
