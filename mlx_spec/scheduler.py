@@ -223,9 +223,11 @@ class Engine:
 
     def _turn(self, turn: list[Job]) -> None:
         self._batch_turn([job for job in turn if job.batch is not None])
-        for job in turn:
-            if job.batch is None:
-                self._step(job)
+        solo = [job for job in turn if job.batch is None]
+        if solo and self.batch is not None and self.batch.threads is not None:
+            self.batch.threads.reset()  # solo streams run on the library's own thread count
+        for job in solo:
+            self._step(job)
 
     # --- batched jobs ----------------------------------------------------------------------
 

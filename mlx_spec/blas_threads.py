@@ -1,0 +1,141 @@
+"""BLAS threads per pass width, measured on the model's own matmul shapes.
+
+On a CPU, MLX's float32 matmuls run in the BLAS (OpenBLAS on Linux, see `_blas`), and OpenBLAS
+splits every product over all its threads. For the skinny products of decoding (a few tokens
+times a weight matrix) that split can cost more than it saves, and how much depends on the
+width in a way no rule of thumb predicts: on a 2-core x86 machine, a pass over 8 or 12 tokens
+ran about 1.2-1.8x faster on one thread, one over 16 or 32 tokens about 1.5x faster on two
+(the split only pays when it falls on the kernel's own blocks), and a long prompt chunk wants
+every thread. A batch of 8 rows decoding plainly is a pass over 8 tokens; verifying one draft
+each makes it 16.
+
+`BlasThreads.calibrate(model)` times the model's largest matmul pair (its MLP, by weight mass)
+at every width from 1 to `MAX_WIDTH` tokens with one thread and with all of them, interleaved,
+once per process and shape; `use(tokens)` then sets the count before a pass. Wider passes use
+every thread. Nothing is tuned (calibrate returns None) on a GPU, without OpenBLAS, on one core,
+or for quantized weights (their matmuls are MLX's own kernels). `MLX_SPEC_BLAS_THREADS=all`
+turns it off; `=1` (or any count) pins one count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import statistics
+import time
+from collections import Counter
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import _blas
+
+ENV = "MLX_SPEC_BLAS_THREADS"
+MAX_WIDTH = 80  # widths above this are prefill chunks: every thread
+REPEATS = 5
+MARGIN = 0.9  # one thread must be at least this much faster to be chosen
+
+_calibrated: dict[tuple, dict[int, int]] = {}  # (shapes, threads) -> {width: threads}
+# The count last set through each setter: the library's setting is one for the process, however
+# many engines use it (None: not known, the next `use` sets it).
+_current: dict[int, tuple] = {}  # id(setter) -> (setter, count)
+
+
+def _now(setter) -> int | None:
+    held = _current.get(id(setter))
+    return held[1] if held is not None and held[0] is setter else None
+
+
+@functools.cache
+def _openblas():
+    """(threads, set) of the OpenBLAS that serves MLX's cblas_sgemm, or None: `threads` is its
+    own count, read once, before anything here set one."""
+    provider = _blas._provider_of(b"cblas_sgemm")
+    if provider is None or "openblas" not in os.path.basename(provider).lower():
+        return None
+    try:
+        lib = ctypes.CDLL(provider)
+        return int(lib.openblas_get_num_threads()), lib.openblas_set_num_threads
+    except (OSError, AttributeError):
+        return None
+
+
+def _shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The two float weight shapes of `nn.Linear`s holding the most weights in all (a
+    transformer's MLP pair), largest first; [] when there are none (quantized, or none)."""
+    mass: Counter = Counter()
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear and mx.issubdtype(module.weight.dtype, mx.floating):
+            shape = tuple(module.weight.shape)
+            mass[shape] += shape[0] * shape[1]
+    return [shape for shape, _ in mass.most_common(2)]
+
+
+class BlasThreads:
+    """The BLAS thread count for each pass width (tokens in the pass); see the module."""
+
+    def __init__(self, best: dict[int, int], most: int, setter):
+        self.best, self.most, self._set = best, most, setter
+
+    @classmethod
+    def calibrate(cls, model: nn.Module) -> BlasThreads | None:
+        """Measure the model's matmuls (once per process and shapes); None if nothing to tune."""
+        choice = os.environ.get(ENV, "").strip().lower()
+        if choice == "all" or mx.default_device() != mx.cpu:
+            return None
+        functions = _openblas()
+        if functions is None:
+            return None
+        most, setter = functions
+        if choice.isdigit() and int(choice) >= 1:
+            return cls({}, int(choice), setter)
+        shapes = _shapes(model)
+        if most < 2 or not shapes:
+            return None
+        key = (tuple(shapes), most)
+        if key not in _calibrated:
+            _calibrated[key] = _measure(shapes, most, setter)
+        setter(most)
+        _current[id(setter)] = (setter, most)
+        return cls(_calibrated[key], most, setter)
+
+    def use(self, tokens: int) -> None:
+        """Set the thread count for a pass over `tokens` tokens (rows times width)."""
+        want = self.best.get(tokens, self.most)
+        if want != _now(self._set):
+            self._set(want)
+            _current[id(self._set)] = (self._set, want)
+
+    def reset(self) -> None:
+        """Every thread again (the library's own default)."""
+        self.use(MAX_WIDTH + 1)
+
+
+def _measure(shapes, most: int, setter) -> dict[int, int]:
+    """{width: 1} for the widths that ran faster on one thread than on `most`."""
+    weights = [mx.random.normal(shape) * 0.02 for shape in shapes]
+    if len(weights) == 2 and weights[0].shape[0] != weights[1].shape[1]:
+        weights = weights[:1]
+    mx.eval(weights)
+
+    def run(x):
+        for w in weights:
+            x = x @ w.T
+        return x
+
+    best = {}
+    for width in range(1, MAX_WIDTH + 1):
+        x = mx.random.normal((width, weights[0].shape[1]))
+        mx.eval(x)
+        times: dict[int, list[float]] = {1: [], most: []}
+        for _ in range(REPEATS):
+            for threads in (1, most):
+                setter(threads)
+                tic = time.perf_counter()
+                mx.eval(run(x))
+                times[threads].append(time.perf_counter() - tic)
+        if statistics.median(times[1]) < MARGIN * statistics.median(times[most]):
+            best[width] = 1
+    setter(most)
+    return best
