@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_sampling import RowRandom, batch_probs, draw, gumbel
-from mlx_spec.drafters.ngram import find_continuation
+from mlx_spec.drafters.ngram import NgramIndex
 from mlx_spec.hidden import at_positions, head_positions
 from mlx_spec.sampling import SamplingConfig
 
@@ -113,15 +113,14 @@ class BatchNgram(BatchDrafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         super().__init__()
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._history: dict[int, list[int]] = {}
+        self._history: dict[int, NgramIndex] = {}
         # The last lookup per row and the k it was asked for, until the sequence grows.
         self._found: dict[int, tuple[np.ndarray, int]] = {}
 
     def _lookup(self, row: int, k: int) -> np.ndarray:
         found, asked = self._found.get(row, (None, 0))
         if found is None or (k > asked and found.size == asked):
-            history = np.asarray(self._history[row], dtype=np.int64)
-            found = find_continuation(history, k, self.max_ngram, self.min_ngram)
+            found = self._history[row].continuation(k)
             self._found[row] = (found, k)
         return found[:k]
 
@@ -135,7 +134,7 @@ class BatchNgram(BatchDrafter):
 
     def join(self, row, sequence, hidden, state, common) -> None:
         self.rows.append(row)
-        self._history[row] = list(sequence)
+        self._history[row] = NgramIndex(sequence, self.max_ngram, self.min_ngram)
         self._found.pop(row, None)
 
     def leave(self, row: int):
@@ -155,7 +154,7 @@ class BatchNgram(BatchDrafter):
         return DraftBlock(rows, [int(found[row].size) for row in rows], mx.array(tokens))
 
     def accept(self, row, drafted, accepted, emitted, hidden) -> None:
-        self._history[row] += list(emitted)
+        self._history[row].extend(emitted)
         self._found.pop(row, None)
 
 
