@@ -47,6 +47,7 @@ from mlx_spec.batch_sampling import (
     gumbel,
     row_uniforms,
 )
+from mlx_spec.blas_threads import BlasThreads
 from mlx_spec.decode import Round
 from mlx_spec.drafters.base import hidden_wanted
 from mlx_spec.hidden import tap_for
@@ -122,6 +123,7 @@ class _Row:
     common: int = 0  # tokens shared with those states' sequence
     hidden: list = field(default_factory=list)  # its features, in order (`features`)
     produced: int = 0
+    first_pending: bool = False  # joined the batch before its first token (`_join_direct`)
     done: bool = False
     cancelled: bool = False
     tic: float = 0.0
@@ -269,6 +271,7 @@ class BatchEngine:
             if max_kv_bytes is not None:
                 self.max_kv_bytes = distributed.agreed_bytes(group, max_kv_bytes, least=True)
         self.context = context_limit(model)
+        self.threads = BlasThreads.calibrate(model)  # per pass width (CPU, OpenBLAS), or None
         self.row_cache = row_cache
         self.policy = BatchDraftPolicy(self.names, max_draft)
         self.cache: BatchCache | None = None  # the target's, over `active`
@@ -282,6 +285,11 @@ class BatchEngine:
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
         # Set to a list to record where each step's time goes (`StepTrace`).
         self.trace: list[StepTrace] | None = None
+
+    def _threads(self, tokens: int) -> None:
+        """The BLAS threads for a pass over `tokens` tokens (see `blas_threads`)."""
+        if self.threads is not None:
+            self.threads.use(tokens)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -389,11 +397,15 @@ class BatchEngine:
 
     def _form_group(self) -> _Joining | None:
         """The waiting requests that fit now (batch slots, cache memory), each with the prefix
-        the prompt cache had for it, as one cache to prefill together."""
+        the prompt cache had for it, as one cache to prefill together. A request whose prompt
+        the prompt cache holds all but the last token of joins the batch at once instead: its
+        last token is fed by the batch's next step, like any row's last token, and that step
+        draws its first token (a pass of its own saved)."""
         rows: list[_Row] = []
-        while self.waiting and len(self.active) + len(rows) < self.max_batch:
+        direct: list[_Row] = []
+        while self.waiting and len(self.active) + len(rows) + len(direct) < self.max_batch:
             row = self.waiting[0]
-            if not self._fits(row, rows):
+            if not self._fits(row, rows + direct):
                 break
             self.waiting.pop(0)
             try:
@@ -401,7 +413,12 @@ class BatchEngine:
             except Exception as exc:  # this request alone fails
                 row.request.emit(exc)
                 continue
-            rows.append(row)
+            if row.fed and row.fed == len(row.request.prompt) - 1:
+                direct.append(row)
+            else:
+                rows.append(row)
+        if direct:
+            self._join_direct(direct)
         if not rows:
             return None
         cache = rows[0].prefill
@@ -423,6 +440,7 @@ class BatchEngine:
             r.tokens[r.fed : r.fed + width - pad] + [0] * pad
             for r, pad in zip(rows, pads, strict=True)
         ]
+        self._threads(len(rows) * width)
         group.cache.begin(lengths)
         logits = self.model(mx.array(x, mx.uint32), cache=group.cache.layers)
         group.cache.end(lengths)
@@ -465,10 +483,16 @@ class BatchEngine:
 
     def _first_token(self, row: _Row, token: int) -> None:
         """Emit the token drawn after the prompt (it joins the sequence, not yet the cache)."""
+        self._prefilled(row)
+        self._emit(row, [token], 0, 0, None, joined=False)
+
+    @staticmethod
+    def _prefilled(row: _Row) -> None:
+        """Its prompt is in and its first token drawn: the prompt's share of the stats."""
         row.stats.cached_tokens = row.cached
         row.stats.prefill_seconds = time.perf_counter() - row.tic
         row.tic = time.perf_counter()
-        self._emit(row, [token], 0, 0, None, joined=False)
+        row.first_pending = False
 
     def _join(self, group: _Joining) -> None:
         """Every prompt of the group is in: rows its first token ended (or whose client left)
@@ -483,29 +507,48 @@ class BatchEngine:
                     self.row_cache.put(row.tokens, one, {}, hidden, row.features)
                 continue
             staying.append(i)
-            hidden = None
-            if row.needs_hidden:
-                hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
-                row.hidden = [hidden]
-            for arm in row.arms:
-                name = self.names[arm]
-                self.drafters[name].join(
-                    row.id,
-                    row.tokens,
-                    self._columns(row, name, hidden),
-                    row.states.pop(name, None),
-                    row.common,
-                )
-            row.states = {}
+            self._join_drafters(row)
         if not staying:
             return
         if len(staying) < len(group.rows):
             group.cache.filter(staying)
+        self._extend(group.cache, [group.rows[i] for i in staying])
+
+    def _join_direct(self, rows: list[_Row]) -> None:
+        """Rows whose caches hold all but their prompt's last token join the batch now; their
+        first token comes from the next step (see `_form_group`)."""
+        cache = rows[0].prefill
+        for row in rows[1:]:
+            cache.extend(row.prefill)
+        for row in rows:
+            row.prefill, row.first_pending = None, True
+            self._join_drafters(row)
+        self._extend(cache, rows)
+
+    def _join_drafters(self, row: _Row) -> None:
+        """The row's drafters take it in: its sequence, its features, their saved states."""
+        hidden = None
+        if row.needs_hidden:
+            hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
+            row.hidden = [hidden]
+        for arm in row.arms:
+            name = self.names[arm]
+            self.drafters[name].join(
+                row.id,
+                row.tokens,
+                self._columns(row, name, hidden),
+                row.states.pop(name, None),
+                row.common,
+            )
+        row.states = {}
+
+    def _extend(self, cache: BatchCache, rows: list[_Row]) -> None:
+        """Rows (and their cache) join the batch after its rows."""
         if self.cache is None:
-            self.cache = group.cache
+            self.cache = cache
         else:
-            self.cache.extend(group.cache)
-        self.active += [group.rows[i] for i in staying]
+            self.cache.extend(cache)
+        self.active += rows
 
     # --- decoding --------------------------------------------------------------------------
 
@@ -581,6 +624,7 @@ class BatchEngine:
         """Queue a plain pass of every row over `[B]` tokens; its draws stay lazy."""
         if self.sync is not None and self.sync.eager_inputs:
             mx.eval(tokens)  # a pipeline stage's input may not wait on a collective
+        self._threads(len(rows))
         self.cache.begin([1] * len(rows))
         logits = self.model(tokens[:, None], cache=self.cache.layers)[:, 0, : self.vocab]
         self.cache.end([1] * len(rows))
@@ -634,6 +678,7 @@ class BatchEngine:
 
     def _speculative_step(self, rows: list[_Row], choice) -> None:
         tic = time.perf_counter()
+        self._threads(len(rows) * (1 + max(k for _, k in choice.rows)))  # the verifying pass
         tokens, probs, counts = self._draft(rows, choice.rows)
         k = 0 if tokens is None else tokens.shape[1]
         built = time.perf_counter()
@@ -733,6 +778,8 @@ class BatchEngine:
     ) -> int:
         """A row's step: its tokens through the cutter to its callback, its drafters told
         (once it has `joined` them); returns how many of `emitted` stay in the sequence."""
+        if row.first_pending:  # a row that joined with its prompt's last token: its first step
+            self._prefilled(row)
         chunks, finish, keep = row.cutter.round(Round(emitted, drafted, accepted, 0.0))
         keep = len(emitted) if keep is None else keep
         row.stats.observe_round(drafted, accepted, len(chunks), 0.0)

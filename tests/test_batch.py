@@ -196,6 +196,47 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
             assert tokens == plain.tokens, (drafter, req["prompt"])
 
 
+def direct_join_run(model, tok, drafters, drafter, vocab):
+    """Three prompts run once (their entries fill the prompt cache), then asked again among
+    three fresh ones in a busy batch: returns the second run's results, its requests and the
+    ids of the rows its prefill passes fed."""
+    engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16, row_cache=RowCache())
+    requests = busy_requests(vocab, drafter, "auto", n=6)
+    run_all(engine, requests[:3])
+    prefilled = set()
+    real = engine._prefill_group
+    engine._prefill_group = lambda group: (prefilled.update(r.id for r in group.rows), real(group))
+    again = [requests[3], requests[0], requests[4], requests[1], requests[2], requests[5]]
+    first_id = engine._next_id
+    results = run_all(engine, again)
+    return results, again, {i - first_id for i in prefilled}
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "draft-model", "mtp"])
+def test_a_prompt_the_cache_holds_joins_the_batch_at_once(loaded, mtp_target, drafter):
+    """A request whose prompt the prompt cache holds all but the last token of joins the
+    running batch without a prefill pass (its last token is fed by the batch's next step, which
+    draws its first token), and answers as from scratch; so do the rows around it."""
+    if drafter == "mtp":
+        model, tok, head = mtp_target
+        drafters = {"mtp": BatchMTP(head.module)}
+    else:
+        model, tok, draft, _ = loaded["llama"]
+        tok = with_eos(tok)
+        drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    vocab = scored_vocab(model, tok)
+    results, requests, prefilled = direct_join_run(model, tok, drafters, drafter, vocab)
+    for req, (tokens, final) in zip(requests, results, strict=True):
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == plain.tokens, req["prompt"]
+        assert final.stats.prefill_seconds > 0
+    assert prefilled == {0, 2, 5}  # the fresh prompts only
+    for i in (1, 3, 4):  # the prompts asked again
+        assert results[i][1].stats.cached_tokens == len(requests[i]["prompt"]) - 1
+    if drafter is not None:
+        assert sum(final.stats.drafted for _, final in results) > 0
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_narrowed_heads_give_the_logits_at_the_positions_asked(loaded, mtp_target, family):
     """A batched drafter's catch-up projects its head at one position per row: a draft
