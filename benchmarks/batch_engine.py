@@ -1,9 +1,12 @@
 """Continuous batching with and without speculation, engine against engine (no HTTP).
 
-N requests (the openings of the held-out standard-library files, `--prompt-tokens` each) are
-queued at once on mlx-spec's `BatchEngine` and each generates exactly `--max-tokens` tokens
-(EOS off); throughput is all generated tokens over the wall time from queueing to the last
-token (prefill included). Modes: plain decoding, each drafter of the embedded pair with the
+N clients (prompts: the openings of the held-out standard-library files, `--prompt-tokens`
+each) queue a request each at once on mlx-spec's `BatchEngine`; with `--requests R` each
+client sends R in all, the next when its last finished (the engine then keeps a prompt cache
+and prompts repeat across clients, as in `server_load.py`: the turnover of a server, without
+HTTP). Every request generates exactly `--max-tokens` tokens (EOS off); throughput is all
+generated tokens over the wall time from the first request to the last token (prefill
+included). Modes: plain decoding, each drafter of the embedded pair with the
 batch policy choosing K every step ("auto"), and all drafters as one group; the peer is
 mlx-lm's own `BatchGenerator` (what `mlx_lm.server` batches with) on the same model object and
 prompts, plain (it has no speculation under batching). After a warm-up, every repeat runs every
@@ -12,6 +15,9 @@ configuration's throughput over the peer's at the same N.
 
 Run it on any device MLX has (on a GPU the passes are memory-bound, as on a Mac, and verifying
 a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound already).
+
+`--compare-threads` adds plain decoding with every BLAS thread on every pass (on a CPU the
+engine otherwise sets the BLAS threads per pass width, `mlx_spec.blas_threads`).
 
 `--trace` prints, under each mode, where its steps' time went (the engine's `StepTrace`:
 building the drafters' graphs, queueing them, building the verifying pass, waiting for it,
@@ -22,6 +28,8 @@ Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
     python benchmarks/batch_engine.py --concurrency 8 --temperature 1.0 --json out.json
     python benchmarks/batch_engine.py --concurrency 8 --modes plain mtp --num-draft 1 --trace
+    python benchmarks/batch_engine.py --concurrency 8 --requests 4 --max-tokens 64 \
+        --prompt-tokens 80 --compare-threads
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from mlx_spec.batch_drafters import (
 from mlx_spec.bench import machine_info
 from mlx_spec.compat import scored_vocab
 from mlx_spec.engine import BatchEngine, BatchRequest
+from mlx_spec.prompt_cache import RowCache
 from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
@@ -55,51 +64,83 @@ MODES = ["plain", "ngram", "draft-model", "mtp", "eagle3", "dflash", "all"]
 
 
 def run_engine(
-    engine: BatchEngine, prompts, max_tokens: int, mode: str, temperature: float, k="auto"
+    engine: BatchEngine,
+    clients: list[list],
+    max_tokens: int,
+    mode: str,
+    temperature: float,
+    k="auto",
+    every_thread: bool = False,
 ):
-    """Queue every prompt, step to the end; returns (tokens generated, seconds, acceptance)."""
+    """Each client's first request queued at once, each next one when the client's last
+    finished; step to the end. Returns (tokens generated, seconds, acceptance). With more
+    than one request per client the engine gets a fresh prompt cache. `every_thread`: the
+    BLAS keeps all its threads for every pass (no `BlasThreads` plan)."""
     finals = []
-
-    def emit(item):
-        if isinstance(item, Exception):
-            raise item
-        if item.token is None:
-            finals.append(item.stats)
-
     drafter = None if mode == "plain" else mode
-    tic = time.perf_counter()
-    for prompt in prompts:
+    if max(len(c) for c in clients) > 1:
+        engine.row_cache = RowCache()
+
+    def submit(client: list, r: int) -> None:
+        def emit(item):
+            if isinstance(item, Exception):
+                raise item
+            if item.token is None:
+                finals.append(item.stats)
+                if r + 1 < len(client):
+                    submit(client, r + 1)
+
         engine.add(
             BatchRequest(
-                prompt, SamplingConfig(temperature=temperature), max_tokens, emit,
+                client[r], SamplingConfig(temperature=temperature), max_tokens, emit,
                 drafter=drafter, num_draft=k if drafter else 0,
             )
         )  # fmt: skip
-    while engine.busy:
-        engine.step()
-    seconds = time.perf_counter() - tic
+
+    plan = engine.threads
+    if every_thread and plan is not None:
+        engine.threads = None
+        plan.reset()
+    try:
+        tic = time.perf_counter()
+        for client in clients:
+            submit(client, 0)
+        while engine.busy:
+            engine.step()
+        seconds = time.perf_counter() - tic
+    finally:
+        engine.threads = plan
     drafted = sum(s.drafted for s in finals)
     accepted = sum(s.accepted for s in finals)
     return sum(s.generated_tokens for s in finals), seconds, accepted / drafted if drafted else 0.0
 
 
-def run_peer(model, prompts, max_tokens: int, temperature: float):
-    """mlx-lm's BatchGenerator over the same prompts (no stop tokens)."""
+def run_peer(model, clients: list[list], max_tokens: int, temperature: float):
+    """mlx-lm's BatchGenerator over the same clients (no stop tokens; each client's next
+    request inserted when its last finished)."""
     gen = BatchGenerator(
         model,
         max_tokens=max_tokens,
         stop_tokens=[],
         sampler=make_sampler(temp=temperature),
-        completion_batch_size=len(prompts),
-        prefill_batch_size=len(prompts),
+        completion_batch_size=len(clients),
+        prefill_batch_size=len(clients),
     )
     tic = time.perf_counter()
-    gen.insert([list(p) for p in prompts], max_tokens=[max_tokens] * len(prompts))
+    uids = gen.insert([list(c[0]) for c in clients], max_tokens=[max_tokens] * len(clients))
+    owner = {uid: (i, 0) for i, uid in enumerate(uids)}
+    total = sum(len(c) for c in clients)
     tokens, done = 0, 0
-    while done < len(prompts):
+    while done < total:
         for response in gen.next_generated():
             tokens += 1
-            done += response.finish_reason is not None
+            if response.finish_reason is None:
+                continue
+            done += 1
+            i, r = owner.pop(response.uid)
+            if r + 1 < len(clients[i]):
+                (uid,) = gen.insert([list(clients[i][r + 1])], max_tokens=[max_tokens])
+                owner[uid] = (i, r + 1)
     seconds = time.perf_counter() - tic
     gen.close()
     return tokens, seconds, 0.0
@@ -136,6 +177,15 @@ def configurations(engine, model, batch, args) -> list:
                 ),
             )
         )
+    if args.compare_threads and engine.threads is not None:
+        out.append(
+            (
+                "plain, every BLAS thread",
+                lambda: run_engine(
+                    engine, batch, args.max_tokens, "plain", args.temperature, every_thread=True
+                ),
+            )
+        )
     out.append(("mlx-lm", lambda: run_peer(model, batch, args.max_tokens, args.temperature)))
     return out
 
@@ -166,6 +216,19 @@ def main(argv: list[str] | None = None) -> int:
         help="also print where the steps' time went, per rows and drafts (medians "
         "over the steps without a catch-up, ms)",
     )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=1,
+        help="requests per client, each sent when the client's last one finished (default 1; "
+        "more: the engine keeps a prompt cache, and prompts repeat across clients as in "
+        "server_load.py)",
+    )
+    p.add_argument(
+        "--compare-threads",
+        action="store_true",
+        help="also run plain decoding with every BLAS thread on every pass (no per-width plan)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -194,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         drafters["dflash"] = BatchDFlash(mlx_spec.load_dflash_drafter(str(target_dir), model).model)
     results = []
     for n in args.concurrency:
-        batch = [prompts[i % len(prompts)] for i in range(n)]
+        r = args.requests
+        batch = [[prompts[(i * r + j) % len(prompts)] for j in range(r)] for i in range(n)]
         engine = BatchEngine(model, tokenizer, vocab, drafters, max_batch=n, prefill_step=4096)
         configs = configurations(engine, model, batch, args)
         runs: dict[str, list] = {name: [] for name, _ in configs}
@@ -228,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
         "max_tokens": args.max_tokens,
         "prompt_tokens": args.prompt_tokens,
+        "requests": args.requests,
         "temperature": args.temperature,
         "repeats": args.repeats,
         "results": results,

@@ -678,12 +678,15 @@ class BatchEngine:
 
     def _speculative_step(self, rows: list[_Row], choice) -> None:
         tic = time.perf_counter()
-        self._threads(len(rows) * (1 + max(k for _, k in choice.rows)))  # the verifying pass
+        self._threads(len(rows))  # the drafters' passes: a token per row, most of them
         tokens, probs, counts = self._draft(rows, choice.rows)
         k = 0 if tokens is None else tokens.shape[1]
         built = time.perf_counter()
         if k:  # the drafters compute while the verifying pass is built
             mx.async_eval(tokens if probs is None else (tokens, probs))
+        # Queueing returns with the drafting nearly done (few operations may stay pending):
+        # the verifying pass's width sets the threads from here.
+        self._threads(len(rows) * (1 + k))
         queued = time.perf_counter()
         lengths = [1 + n for n in counts]
         x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
