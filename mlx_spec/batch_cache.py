@@ -381,13 +381,16 @@ class BatchCache:
             group.pos = mx.take_along_axis(group.pos[:, : group.idx], order, axis=1)
             group.idx = width
 
-    def tidy(self) -> None:
-        """Compact once the columns in use outnumber twice what a row can still need (its
-        tokens, or a sliding window's); decided on counts held in Python, no device sync."""
+    def tidy(self, slack: float = 0.25, spare: int = 16) -> None:
+        """Compact once the columns in use outnumber what a row can still need (its tokens,
+        or a sliding window's) by more than `slack` of it plus `spare` columns: every pass
+        attends over every column in use, and each speculative step leaves the columns of
+        its rejected drafts (a drafter's: its self-fed steps) empty. Decided on counts held
+        in Python; the compaction itself reads the columns back (a device sync)."""
         longest = max(self.lengths, default=0)
         for group in self.groups.values():
             need = longest if group.window is None else min(longest, group.window + DEAD_MARGIN)
-            if group.idx > 2 * need + STEP:
+            if group.idx > (1 + slack) * need + spare:
                 self.compact()
                 return
 

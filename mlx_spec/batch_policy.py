@@ -202,23 +202,32 @@ class BatchDraftPolicy:
         arms = tuple(sorted({a for a, k in rows if a is not None and k > 0}))
         return len(rows), big_k, arms
 
-    def _plan(self, asks: list[RowAsk], big_k: int, gains) -> tuple[list, float]:
+    def _plan(
+        self, asks: list[RowAsk], big_k: int, gains, force: int | None = None
+    ) -> tuple[list, float]:
         """Each row's (arm, k) at batch K = big_k, and the tokens the step would emit. A row
         that may use several drafters takes the one with the most tokens per second of a
-        step where it alone drafts. `gains[arm][k]`: E(k) of each arm."""
+        step where it alone drafts (`force`: that arm, where the row may use it and it has
+        drafts). `gains[arm][k]`: E(k) of each arm."""
         rows, tokens, memo = [], 0.0, {}
         for ask in asks:
             key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available))
             if key not in memo:
-                memo[key] = self._row_plan(ask, big_k, gains, len(asks))
+                memo[key] = self._row_plan(ask, big_k, gains, len(asks), force)
             choice, gain = memo[key]
             rows.append(choice)
             tokens += gain
         return rows, tokens
 
-    def _row_plan(self, ask: RowAsk, big_k: int, gains, batch: int) -> tuple[tuple, float]:
+    def _row_plan(
+        self, ask: RowAsk, big_k: int, gains, batch: int, force: int | None = None
+    ) -> tuple[tuple, float]:
         choice, gain, score = (None, 0), 1.0, 0.0
         target = ask.fixed if ask.fixed is not None else big_k
+        if force is not None and force in ask.arms:
+            avail = ask.available[ask.arms.index(force)]
+            if min(target, ask.limit, self.max_draft if avail is None else avail) > 0:
+                ask = RowAsk([force], ask.fixed, ask.limit, [avail], [])
         for arm, avail in zip(ask.arms, ask.available, strict=True):
             k = min(target, ask.limit, self.max_draft if avail is None else avail)
             if k <= 0:
@@ -272,6 +281,9 @@ class BatchDraftPolicy:
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
+                arm = self._untried(asks, best[2])
+                if arm is not None and (self._steps // self.explore_every) % 2:
+                    return self._choice(asks, best[1], self._plan(asks, best[1], accept, arm)[0])
                 big_k = self._explore(best[1], plans)
                 return self._choice(asks, big_k, plans[big_k][0])
             return self._choice(asks, best[1], best[2])
@@ -281,6 +293,18 @@ class BatchDraftPolicy:
             self._probe_every = self._next_probe(best[0], plain_rate)
             return self._choice(asks, best[1], best[2], probe=True)
         return BatchChoice(0, plain_rows)
+
+    def _untried(self, asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int | None:
+        """Of the drafters rows may choose between (a group), the least tried one that the
+        chosen plan leaves out, or None. A row of a group drafts with the arm whose
+        acceptance and cost look best; an arm that is never run is never measured (a cheap
+        n-gram lookup behind an MTP head whose prior looked better), so exploring steps
+        alternate between another K and such an arm."""
+        used = {arm for arm, k in rows if arm is not None and k > 0}
+        choices = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms} - used
+        if not choices:
+            return None
+        return min(choices, key=lambda arm: (sum(self.trials[arm][:1]), arm))
 
     def _explore(self, best: int, plans: dict) -> int:
         """The K an exploring step runs: of 1 .. best + 1 (best excluded), the one whose own

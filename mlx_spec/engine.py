@@ -716,6 +716,7 @@ class BatchEngine:
             targets[i] += keep - (1 + counts[i])  # the pass fed last + drafts; keep `keep`
             outcomes.append((counts[i], min(n, keep - 1)))
         self.cache.truncate(targets)
+        self.cache.tidy()  # the rejected drafts' columns, squeezed out once they are many
         self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic, choice.catch_up)
         self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
         if self.trace is not None:

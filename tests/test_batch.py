@@ -212,6 +212,34 @@ def direct_join_run(model, tok, drafters, drafter, vocab):
     return results, again, {i - first_id for i in prefilled}
 
 
+def test_speculative_steps_keep_the_cache_narrow(loaded):
+    """Each speculative step leaves its rejected drafts' columns empty; the batch's cache is
+    compacted once they pass a quarter of what its longest row holds, so every pass attends
+    over little more than the rows' tokens (rows join and leave around it; the outputs are
+    those of plain decoding)."""
+    model, tok, draft, _ = loaded["llama"]
+    tok = with_eos(tok)
+    engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
+    requests = busy_requests(scored_vocab(model, tok), "draft-model", 4)
+    widths = []
+    real = engine._speculative_step
+
+    def step(rows, choice):
+        real(rows, choice)
+        group = engine.cache.groups[None]
+        widths.append((group.idx, max(group.lengths)))
+
+    engine._speculative_step = step
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        assert (
+            tokens
+            == mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
+        )
+    assert len(widths) > 20
+    assert all(idx <= 1.25 * longest + 16 for idx, longest in widths), widths
+
+
 @pytest.mark.parametrize("drafter", [None, "ngram", "draft-model", "mtp"])
 def test_a_prompt_the_cache_holds_joins_the_batch_at_once(loaded, mtp_target, drafter):
     """A request whose prompt the prompt cache holds all but the last token of joins the
