@@ -609,6 +609,30 @@ def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
     assert sum(k == 1 for k in ks[-100:]) >= 70
 
 
+def test_batch_policy_tries_a_drafter_of_the_group_it_never_chose():
+    """Rows of a group (an MTP head and n-gram lookup): the head is tried first (equal priors,
+    first in order), keeps 60% of its drafts and costs 2 ms a draft; the lookup, never chosen,
+    would keep 75% for nothing. Exploring steps that try the drafter the plan leaves out find
+    it, and the rows draft with it from then on."""
+    policy, rng = BatchDraftPolicy(["mtp", "ngram"]), random.Random(2)
+    accept = {0: 0.6, 1: 0.75}
+    used = []
+    for _ in range(400):
+        asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(8)]
+        choice = policy.choose(asks)
+        outcomes = []
+        for arm, k in choice.rows:
+            n = 0
+            while arm is not None and n < k and rng.random() < accept[arm]:
+                n += 1
+            outcomes.append((k, n))
+        big_k = max(k for _, k in choice.rows)
+        head = any(arm == 0 and k for arm, k in choice.rows)
+        policy.observe(choice.rows, outcomes, 1e-3 * (10 + big_k + 2 * big_k * head))
+        used.append({arm for arm, k in choice.rows if k})
+    assert sum(u == {1} for u in used[-100:]) >= 80
+
+
 def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
