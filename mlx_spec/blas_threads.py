@@ -116,7 +116,15 @@ class BlasThreads:
 
 
 def _measure(shapes, most: int, setter) -> dict[int, int]:
-    """{width: 1} for the widths that ran faster on one thread than on `most`."""
+    """{width: 1} for the widths that ran at least as fast on one thread as on `most`."""
+    return {
+        width: 1 for width, (one, every) in _timings(shapes, most, setter).items()
+        if one < MARGIN * every
+    }  # fmt: skip
+
+
+def _timings(shapes, most: int, setter) -> dict[int, tuple[float, float]]:
+    """{width: (median seconds on one thread, on `most`)} of the matmul pair, 1..MAX_WIDTH."""
     weights = [mx.random.normal(shape) * 0.02 for shape in shapes]
     if len(weights) == 2 and weights[0].shape[0] != weights[1].shape[1]:
         weights = weights[:1]
@@ -127,7 +135,7 @@ def _measure(shapes, most: int, setter) -> dict[int, int]:
             x = x @ w.T
         return x
 
-    best = {}
+    out = {}
     for width in range(1, MAX_WIDTH + 1):
         x = mx.random.normal((width, weights[0].shape[1]))
         mx.eval(x)
@@ -138,7 +146,39 @@ def _measure(shapes, most: int, setter) -> dict[int, int]:
                 tic = time.perf_counter()
                 mx.eval(run(x))
                 times[threads].append(time.perf_counter() - tic)
-        if statistics.median(times[1]) < MARGIN * statistics.median(times[most]):
-            best[width] = 1
+        out[width] = (statistics.median(times[1]), statistics.median(times[most]))
     setter(most)
-    return best
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the measurement for a model (default: the embedded pair's target)."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_spec.blas_threads",
+        description="Time a model's MLP matmul pair at every pass width on one BLAS thread "
+        "and on all of them (what the batch engine measures when it starts).",
+    )
+    p.add_argument("--model", help="MLX model directory (default: the embedded demo target)")
+    args = p.parse_args(argv)
+    from mlx_spec import load
+    from mlx_spec.embedded import converted_pair
+
+    model, _ = load(args.model or str(converted_pair()[0]))
+    functions = _openblas()
+    if functions is None or mx.default_device() != mx.cpu:
+        print("nothing to tune: no OpenBLAS behind MLX's CPU matmuls, or not on the CPU")
+        return 1
+    most, setter = functions
+    shapes = _shapes(model)
+    print(f"{_blas.describe()}; {most} threads; matmul pair {shapes}")
+    for width, (one, every) in _timings(shapes, most, setter).items():
+        pick = 1 if one < MARGIN * every else most
+        print(f"{width:3d} tokens: 1 thread {one * 1e6:7.0f} us, {most} threads "
+              f"{every * 1e6:7.0f} us, ratio {one / every:4.2f} -> {pick}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
