@@ -559,6 +559,8 @@ class BatchEngine:
             limit = min(limit, self.context - len(row.tokens) - 1)
         fixed = request.num_draft if isinstance(request.num_draft, int) else None
         limit = max(0, min(limit, self.max_draft if fixed is None else fixed))
+        if row.first_pending:  # its first token is drawn alone, as after a prefill: a seeded
+            limit = 0  # row's draws are the same whether its prompt was cached or not
         drafters = [self.drafters[self.names[a]] for a in row.arms]
         available = [d.available(row.id, limit) for d in drafters]
         return RowAsk(row.arms, fixed, limit, available, [d.backlog(row.id) for d in drafters])

@@ -529,6 +529,23 @@ def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair, drafter):  # noq
     assert run([]) == run(others)
 
 
+def test_seeded_row_is_the_same_whether_its_prompt_was_cached(pair):  # noqa: F811
+    """A seeded row with a fixed k gives the same tokens from a fresh prompt (prefilled, its
+    first token drawn after the prefill) and from one the prompt cache holds (joining the
+    batch at once, its first token drawn by the batch's next step)."""
+    model, tok, draft, _ = pair
+    req = dict(prompt=PROMPT, sampling=SamplingConfig(temperature=1.0), max_tokens=24,
+               drafter="draft-model", num_draft=2, seed=5)  # fmt: skip
+    engine = engine_for(
+        model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4, row_cache=RowCache()
+    )
+    ((fresh, _),) = run_all(engine, [req])
+    other = dict(req, seed=None, prompt=[3, 4], max_tokens=9)
+    (cached, final), _ = run_all(engine, [req, other])
+    assert final.stats.cached_tokens == len(PROMPT) - 1
+    assert cached == fresh
+
+
 # ---------------------------------------------------------------------------------- policy
 
 
