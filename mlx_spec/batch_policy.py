@@ -304,7 +304,7 @@ class BatchDraftPolicy:
         choices = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms} - used
         if not choices:
             return None
-        return min(choices, key=lambda arm: (sum(self.trials[arm][:1]), arm))
+        return min(choices, key=lambda arm: (self.trials[arm][0], arm))
 
     def _explore(self, best: int, plans: dict) -> int:
         """The K an exploring step runs: of 1 .. best + 1 (best excluded), the one whose own

@@ -3,10 +3,10 @@
 On a CPU, MLX's float32 matmuls run in the BLAS (OpenBLAS on Linux, see `_blas`), and OpenBLAS
 splits every product over all its threads. For the skinny products of decoding (a few tokens
 times a weight matrix) that split can cost more than it saves, and how much depends on the
-width in a way no rule of thumb predicts: on a 2-core x86 machine, a pass over 8 or 12 tokens
-ran about 1.2-1.8x faster on one thread, one over 16 or 32 tokens about 1.5x faster on two
-(the split only pays when it falls on the kernel's own blocks), and a long prompt chunk wants
-every thread. A batch of 8 rows decoding plainly is a pass over 8 tokens; verifying one draft
+width in a way no rule of thumb predicts: on a 2-core x86 machine, a pass over 4, 8, 12 or 24
+tokens ran 0.59-0.93x as long on one thread as on two, one over 16 or 32 tokens about 1.5x
+longer (the split only pays when it falls on the kernel's own blocks), and a long prompt chunk
+wants every thread. A batch of 8 rows decoding plainly is a pass over 8 tokens; verifying one draft
 each makes it 16.
 
 `BlasThreads.calibrate(model)` times the model's largest matmul pair (its MLP, by weight mass)
@@ -34,9 +34,9 @@ from . import _blas
 ENV = "MLX_SPEC_BLAS_THREADS"
 MAX_WIDTH = 80  # widths above this are prefill chunks: every thread
 REPEATS = 5
-# One thread is chosen where it runs the matmuls at least as fast as all of them: it also
-# leaves the other cores to the host, which builds the next pass while this one runs (in the
-# engine, plain decoding of 8 rows gained more than the matmuls alone: 15-18% against 13%).
+# One thread is chosen where it runs the matmuls at least as fast as all of them (it also
+# leaves the other cores to the host, which builds the next pass while this one runs); with a
+# 10% margin, 8 rows (a time ratio of 0.82-0.89) flipped between runs of the calibration.
 MARGIN = 1.0
 
 _calibrated: dict[tuple, dict[int, int]] = {}  # (shapes, threads) -> {width: threads}
@@ -117,10 +117,13 @@ class BlasThreads:
 
 def _measure(shapes, most: int, setter) -> dict[int, int]:
     """{width: 1} for the widths that ran at least as fast on one thread as on `most`."""
-    return {
-        width: 1 for width, (one, every) in _timings(shapes, most, setter).items()
-        if one < MARGIN * every
-    }  # fmt: skip
+    timings = _timings(shapes, most, setter)
+    return {width: 1 for width, times in timings.items() if _pick(*times, most) == 1}
+
+
+def _pick(one: float, every: float, most: int) -> int:
+    """The thread count for a width that took `one` seconds on one thread, `every` on `most`."""
+    return 1 if one < MARGIN * every else most
 
 
 def _timings(shapes, most: int, setter) -> dict[int, tuple[float, float]]:
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = _shapes(model)
     print(f"{_blas.describe()}; {most} threads; matmul pair {shapes}")
     for width, (one, every) in _timings(shapes, most, setter).items():
-        pick = 1 if one < MARGIN * every else most
+        pick = _pick(one, every, most)
         print(f"{width:3d} tokens: 1 thread {one * 1e6:7.0f} us, {most} threads "
               f"{every * 1e6:7.0f} us, ratio {one / every:4.2f} -> {pick}")  # fmt: skip
     return 0
