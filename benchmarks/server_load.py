@@ -227,10 +227,15 @@ def spec_server(args, slots: int) -> ServerProcess:
     return ServerProcess("mlx-spec serve", command)
 
 
-def peer_server(model_dir: Path) -> ServerProcess:
-    return ServerProcess(
-        "mlx_lm.server", [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
-    )
+def peer_server(model_dir: Path, fast_math: bool = False) -> ServerProcess:
+    """mlx_lm.server; with `fast_math`, started through `import mlx_spec` so that its models get
+    mlx-spec's vectorized exp too (mlx_spec/fastmath.py)."""
+    if fast_math:
+        start = "import mlx_spec, runpy; runpy.run_module('mlx_lm.server', run_name='__main__')"
+        command = [sys.executable, "-c", start]
+    else:
+        command = [sys.executable, "-m", "mlx_lm.server"]
+    return ServerProcess("mlx_lm.server", command + ["--model", str(model_dir)])
 
 
 def float32_copy(source: Path, dest: Path) -> Path:
@@ -367,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         "--conversation-only", action="store_true", help="only the conversations (no load rows)"
     )
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
+    p.add_argument(
+        "--peer-fast-math",
+        action="store_true",
+        help="give mlx_lm.server mlx-spec's vectorized exp too (it runs MLX's own by default)",
+    )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", metavar="JSON", help="print a results file as markdown tables")
@@ -409,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 configs.append((mode, url, {**body, "speculative": speculative}))
             if not args.no_peer:
                 peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
-                peer_url = stack.enter_context(peer_server(peer_dir))
+                peer_url = stack.enter_context(peer_server(peer_dir, args.peer_fast_math))
                 configs.append(("mlx_lm.server", peer_url, {**body, "model": "default_model"}))
             rows = [] if args.conversation_only else measure_loads(configs, args)
             print("medians over the repeats:", flush=True)
@@ -430,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "max_concurrent": slots,
         "num_draft": num_draft,
+        "peer_fast_math": args.peer_fast_math,
         "results": rows,
     }
     if args.json:

@@ -8,6 +8,10 @@ from mlx_spec.models import reference_fixes  # noqa: E402
 
 reference_fixes.install()  # where mlx-lm's model of a family differs from the reference
 
+from mlx_spec import fastmath  # noqa: E402
+
+fastmath.install()  # MLX's Linux CPU exp is scalar: SwiGLU and attention get a vectorized one
+
 from mlx_spec.api import (  # noqa: E402
     GenerationChunk,
     GenerationResult,

@@ -1,0 +1,205 @@
+"""Fast exponentials for MLX's Linux CPU backend: SwiGLU and attention's softmax.
+
+The Linux CPU wheel of MLX is built for baseline x86-64: its `exp`, `sigmoid` and `softmax` run
+one element at a time, each polynomial step an out-of-line call to libm's `fmaf` (~16 ns an
+element). In a verifying pass (8 rows x 4 tokens through the demo target) the SwiGLU of every
+MLP and the softmax of every attention layer then take about a seventh of the pass.
+
+Here `exp` is the classic range reduction (x = n ln 2 + r, |r| <= ln 2 / 2), a degree-7
+polynomial in r and 2^n built from its exponent bits, in shapeless `mx.compile`d functions
+that g++ vectorizes: within 1 ulp of exp over float32's range (MLX's own: ~30), SwiGLU over
+8 x 4 x 1024 elements in a third of the time, attention's softmax in two thirds. mlx-lm's
+`swiglu` and `scaled_dot_product_attention` are replaced by versions that use it (the same
+products; the softmax over float32 scores, as MLX's own CPU attention computes it) when the
+default device is the CPU, the inputs are float32 and large enough (`MIN_ELEMENTS`: below,
+the extra kernels cost more than they save); anything else (another device or dtype, attention
+sinks, a quantized cache) goes to mlx-lm's functions unchanged. Gradients are mlx-lm's own
+(`mx.custom_function`), so training through a patched model is as before.
+
+`install()` is idempotent; it runs on Linux when `mlx_spec` is imported, unless
+`MLX_SPEC_FAST_MATH=0`. Model modules imported later bind the replacements (they import the
+names from `mlx_lm.models.activations` and `.base`); those imported before are rebound.
+`disabled()` switches the fast paths off for a block (`benchmarks/fast_math.py`'s A/B).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from functools import partial
+
+import mlx.core as mx
+
+ENV = "MLX_SPEC_FAST_MATH"  # 0: keep MLX's own exp everywhere
+
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 = hi + lo, hi exact in few bits
+_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+      5.0000001201e-1)  # fmt: skip
+_LOW, _HIGH = -87.33654, 88.0  # below: 0 (exp < 2^-126); above: clamped (2^n stays finite)
+
+_state = {"installed": False, "on": True, "originals": None}
+
+
+@partial(mx.compile, shapeless=True)
+def _reduce(x: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(x) = p * 2^n with |r| <= ln 2 / 2: p (a polynomial in r) and 2^n's float32 bits."""
+    c = mx.clip(x, _LOW, _HIGH)
+    n = mx.floor(c * _LOG2E + 0.5)
+    r = c - n * _LN2_HI - n * _LN2_LO
+    p = _P[0]
+    for coefficient in _P[1:]:
+        p = p * r + coefficient
+    p = p * (r * r) + r + 1.0
+    return p, mx.left_shift(n.astype(mx.int32) + 127, 23)
+
+
+def _parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """p and 2^n of exp(x). Reading the bits as float32 (`view`) cannot be traced shapeless: it
+    runs between the compiled functions, which then serve every shape without retracing."""
+    p, bits = _reduce(x)
+    return p, bits.view(mx.float32)
+
+
+@partial(mx.compile, shapeless=True)
+def _exp_of(x: mx.array, p: mx.array, two_n: mx.array) -> mx.array:
+    return mx.where(x < _LOW, 0.0, p * two_n)
+
+
+def exp(x: mx.array) -> mx.array:
+    """exp of float32 `x` (0 below float32's normal range)."""
+    return _exp_of(x, *_parts(x))
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu_of(gate: mx.array, x: mx.array, p: mx.array, two_n: mx.array) -> mx.array:
+    return gate / (1.0 + _exp_of(-gate, p, two_n)) * x
+
+
+def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
+    return _swiglu_of(gate, x, *_parts(-gate))
+
+
+def softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of float32 `scores` (-inf: weight 0)."""
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    e = _exp_of(shifted, *_parts(shifted))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+# Below this many elements the fast path's extra kernels cost more (a few microseconds each)
+# than the scalar exp it saves (measured: `benchmarks/fast_math.py`, one row of the demo target).
+MIN_ELEMENTS = 16384
+
+
+def _active(x: mx.array, elements: int) -> bool:
+    return (
+        _state["on"]
+        and elements >= MIN_ELEMENTS
+        and x.dtype == mx.float32
+        and mx.default_device().type == mx.cpu
+    )
+
+
+@mx.custom_function
+def _swiglu(gate, x):
+    return _swiglu_fast(gate, x)
+
+
+@_swiglu.vjp
+def _swiglu_vjp(primals, cotangent, output):
+    return mx.vjp(_state["originals"][0], list(primals), [cotangent])[1]
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `swiglu` (silu(gate) * x), with the fast exp on the CPU."""
+    if not _active(gate, gate.size):
+        return _state["originals"][0](gate, x)
+    return _swiglu(gate, x)
+
+
+def _mask_for(mask, heads: int, kv_heads: int, queries: int, keys: int):
+    """The mask as an array broadcastable to `[B, kv_heads, heads / kv_heads, L, S]`."""
+    if isinstance(mask, str):  # "causal": query i is position keys - queries + i
+        return mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
+    if m.shape[1] == 1:
+        return mx.expand_dims(m, 2)
+    return m.reshape(m.shape[0], kv_heads, heads // kv_heads, *m.shape[2:])
+
+
+def _attend(q, k, v, scale: float, mask) -> mx.array:
+    b, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    q = (q * scale).reshape(b, kv_heads, heads // kv_heads, length, dim)
+    scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, Hk, rep, L, S]
+    if mask is not None:
+        m = _mask_for(mask, heads, kv_heads, length, k.shape[2])
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, -mx.inf)
+        else:
+            scores = scores + m
+    out = softmax(scores) @ mx.expand_dims(v, 2)
+    return out.reshape(b, heads, length, v.shape[-1])
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """mlx-lm's `scaled_dot_product_attention`, with the fast softmax on the CPU."""
+    original = _state["originals"][1]
+    b, heads, length, _ = queries.shape
+    scores = b * heads * length * keys.shape[2]
+    if sinks is not None or hasattr(cache, "bits") or not _active(queries, scores):
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    extra = [] if mask is None or isinstance(mask, str) else [mask]
+
+    def forward(q, k, v, *m):
+        return _attend(q, k, v, scale, m[0] if m else mask)
+
+    def backward(primals, cotangent, output):
+        q, k, v = primals[:3]
+
+        def reference(q, k, v):
+            return original(q, k, v, cache, scale=scale, mask=mask)
+
+        grads = mx.vjp(reference, [q, k, v], [cotangent])[1]
+        return tuple(grads) + tuple(mx.zeros_like(m) for m in primals[3:])
+
+    attend = mx.custom_function(forward)
+    attend.vjp(backward)
+    return attend(queries, keys, values, *extra)
+
+
+def install() -> bool:
+    """Route mlx-lm's SwiGLU and attention through the fast exp (Linux, unless `ENV=0`);
+    whether it is installed."""
+    if _state["installed"]:
+        return True
+    if sys.platform != "linux" or os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no"):
+        return False
+    import mlx_lm.models.activations as activations
+    import mlx_lm.models.base as base
+
+    old = (activations.swiglu, base.scaled_dot_product_attention)
+    _state["originals"] = old
+    new = (swiglu, scaled_dot_product_attention)
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("mlx_lm.", "mlx_vlm.", "mlx_spec.")) or module is None:
+            continue
+        for attribute, before, after in zip(
+            ("swiglu", "scaled_dot_product_attention"), old, new, strict=True
+        ):
+            if getattr(module, attribute, None) is before:
+                setattr(module, attribute, after)
+    _state["installed"] = True
+    return True
+
+
+@contextlib.contextmanager
+def disabled():
+    """MLX's own exp inside the block (the fast paths installed stay, switched off)."""
+    before, _state["on"] = _state["on"], False
+    try:
+        yield
+    finally:
+        _state["on"] = before
