@@ -39,7 +39,7 @@ _P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666
       5.0000001201e-1)  # fmt: skip
 _LOW, _HIGH = -87.33654, 88.0  # below: 0 (exp < 2^-126); above: clamped (2^n stays finite)
 
-_state = {"installed": False, "on": True, "originals": None}
+_state = {"installed": False, "on": True, "originals": None, "mask": None}
 
 
 @partial(mx.compile, shapeless=True)
@@ -119,55 +119,83 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return _swiglu(gate, x)
 
 
-def _mask_for(mask, heads: int, kv_heads: int, queries: int, keys: int):
-    """The mask as an array broadcastable to `[B, kv_heads, heads / kv_heads, L, S]`."""
+def _additive(mask, queries: int, keys: int) -> mx.array:
+    """The mask as a 4-D additive float mask (0 or -inf where boolean). A model builds one mask
+    per pass and hands it to every layer: the last one converted is kept for the next layer."""
+    key = ("causal", queries, keys) if isinstance(mask, str) else mask
+    last = _state["mask"]
+    if last is not None and (last[0] is key or (isinstance(key, tuple) and last[0] == key)):
+        return last[1]
     if isinstance(mask, str):  # "causal": query i is position keys - queries + i
-        return mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]
-    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
-    if m.shape[1] == 1:
-        return mx.expand_dims(m, 2)
-    return m.reshape(m.shape[0], kv_heads, heads // kv_heads, *m.shape[2:])
+        mask = mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]
+    if mask.dtype == mx.bool_:
+        mask = mx.where(mask, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
+    _state["mask"] = (key, mask)
+    return mask
 
 
-def _attend(q, k, v, scale: float, mask) -> mx.array:
+def _attend(q, k, v, scale, add=None) -> mx.array:
+    """Attention of `[B, H, L, D]` queries over `[B, Hk, S, D]` keys and values (grouped:
+    H / Hk queries per key head), `add` a 4-D additive mask or None."""
     b, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     q = (q * scale).reshape(b, kv_heads, heads // kv_heads, length, dim)
     scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, Hk, rep, L, S]
-    if mask is not None:
-        m = _mask_for(mask, heads, kv_heads, length, k.shape[2])
-        if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, -mx.inf)
+    if add is not None:
+        if add.shape[1] == 1:
+            scores = scores + mx.expand_dims(add, 2)
         else:
-            scores = scores + m
+            scores = scores + add.reshape(add.shape[0], kv_heads, -1, *add.shape[2:])
     out = softmax(scores) @ mx.expand_dims(v, 2)
     return out.reshape(b, heads, length, v.shape[-1])
 
 
+@mx.custom_function
+def _attend_masked(q, k, v, add, scale):
+    return _attend(q, k, v, scale, add)
+
+
+@_attend_masked.vjp
+def _attend_masked_vjp(primals, cotangent, output):
+    q, k, v, add, scale = primals
+    grads = _reference_vjp([q, k, v], cotangent, scale, add)
+    return (*grads, mx.zeros_like(add), mx.zeros_like(scale))
+
+
+@mx.custom_function
+def _attend_unmasked(q, k, v, scale):
+    return _attend(q, k, v, scale)
+
+
+@_attend_unmasked.vjp
+def _attend_unmasked_vjp(primals, cotangent, output):
+    q, k, v, scale = primals
+    return (*_reference_vjp([q, k, v], cotangent, scale, None), mx.zeros_like(scale))
+
+
+def _reference_vjp(qkv: list, cotangent, scale: mx.array, mask) -> list:
+    """The gradients of mlx-lm's attention (the fast one's forward computes the same)."""
+    value = scale.item()
+
+    def reference(q, k, v):
+        return _state["originals"][1](q, k, v, None, scale=value, mask=mask)
+
+    return mx.vjp(reference, qkv, [cotangent])[1]
+
+
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the fast softmax on the CPU."""
-    original = _state["originals"][1]
     b, heads, length, _ = queries.shape
     scores = b * heads * length * keys.shape[2]
     if sinks is not None or hasattr(cache, "bits") or not _active(queries, scores):
+        original = _state["originals"][1]
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-    extra = [] if mask is None or isinstance(mask, str) else [mask]
-
-    def forward(q, k, v, *m):
-        return _attend(q, k, v, scale, m[0] if m else mask)
-
-    def backward(primals, cotangent, output):
-        q, k, v = primals[:3]
-
-        def reference(q, k, v):
-            return original(q, k, v, cache, scale=scale, mask=mask)
-
-        grads = mx.vjp(reference, [q, k, v], [cotangent])[1]
-        return tuple(grads) + tuple(mx.zeros_like(m) for m in primals[3:])
-
-    attend = mx.custom_function(forward)
-    attend.vjp(backward)
-    return attend(queries, keys, values, *extra)
+    factor = mx.array(scale, mx.float32)
+    if mask is None:
+        return _attend_unmasked(queries, keys, values, factor)
+    add = _additive(mask, length, keys.shape[2])
+    return _attend_masked(queries, keys, values, add, factor)
 
 
 def install() -> bool:
