@@ -138,6 +138,7 @@ class BatchChoice:
     rows: list[tuple[int | None, int]]
     probe: bool = False
     catch_up: int = 0  # the catch-up tokens of the step (see `_Costs`)
+    only: int | None = None  # the one drafter a group's rows draft with (None: each its best)
 
 
 class BatchDraftPolicy:
@@ -203,27 +204,41 @@ class BatchDraftPolicy:
         return len(rows), big_k, arms
 
     def _plan(
-        self, asks: list[RowAsk], big_k: int, gains, force: int | None = None
+        self,
+        asks: list[RowAsk],
+        big_k: int,
+        gains,
+        force: int | None = None,
+        only: int | None = None,
     ) -> tuple[list, float]:
         """Each row's (arm, k) at batch K = big_k, and the tokens the step would emit. A row
         that may use several drafters takes the one with the most tokens per second of a
         step where it alone drafts (`force`: that arm, where the row may use it and it has
-        drafts). `gains[arm][k]`: E(k) of each arm."""
+        drafts; `only`: that arm or none, where the row may use it). `gains[arm][k]`: E(k)
+        of each arm."""
         rows, tokens, memo = [], 0.0, {}
         for ask in asks:
             key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available))
             if key not in memo:
-                memo[key] = self._row_plan(ask, big_k, gains, len(asks), force)
+                memo[key] = self._row_plan(ask, big_k, gains, len(asks), force, only)
             choice, gain = memo[key]
             rows.append(choice)
             tokens += gain
         return rows, tokens
 
     def _row_plan(
-        self, ask: RowAsk, big_k: int, gains, batch: int, force: int | None = None
+        self,
+        ask: RowAsk,
+        big_k: int,
+        gains,
+        batch: int,
+        force: int | None = None,
+        only: int | None = None,
     ) -> tuple[tuple, float]:
         choice, gain, score = (None, 0), 1.0, 0.0
         target = ask.fixed if ask.fixed is not None else big_k
+        if only is not None and len(ask.arms) > 1 and only in ask.arms:
+            ask = RowAsk([only], ask.fixed, ask.limit, [ask.available[ask.arms.index(only)]])
         if force is not None and force in ask.arms:
             avail = ask.available[ask.arms.index(force)]
             if min(target, ask.limit, self.max_draft if avail is None else avail) > 0:
@@ -270,12 +285,22 @@ class BatchDraftPolicy:
         plain_rate = self._rate(asks, plain_rows, plain_tokens)
         if self._plain_seen < 2 or not any(a.arms for a in asks):
             return BatchChoice(0, plain_rows)
-        best, plans = None, {}
+        # A group's rows each take the drafter that looks best for them alone; a step pays
+        # for every drafter its rows use, though (a model drafter's passes for one row that
+        # an n-gram lookup cannot serve), so each group drafter alone is a plan too.
+        variants = [None] + sorted({arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms})
+        best, plans, unmeasured = None, {}, None
         for big_k in range(1, self.max_draft + 1):
-            rows, tokens = plans[big_k] = self._plan(asks, big_k, accept)
-            rate = self._rate(asks, rows, tokens)
-            if best is None or rate > best[0]:
-                best = (rate, big_k, rows)
+            for only in variants:
+                rows, tokens = self._plan(asks, big_k, accept, only=only)
+                rate = self._rate(asks, rows, tokens)
+                if big_k not in plans or rate > plans[big_k][2]:
+                    plans[big_k] = (rows, tokens, rate, only)
+                if best is None or rate > best[0]:
+                    best = (rate, big_k, rows, only)
+                fresh = self.shape(rows)[2] not in self.costs.fits
+                if fresh and (unmeasured is None or rate > unmeasured[0]):
+                    unmeasured = (rate, big_k, rows, only)
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
@@ -285,13 +310,16 @@ class BatchDraftPolicy:
                 if arm is not None and (self._steps // self.explore_every) % 2:
                     return self._choice(asks, best[1], self._plan(asks, best[1], accept, arm)[0])
                 big_k = self._explore(best[1], plans)
-                return self._choice(asks, big_k, plans[big_k][0])
-            return self._choice(asks, best[1], best[2])
+                return self._choice(asks, big_k, plans[big_k][0], only=plans[big_k][3])
+            return self._choice(asks, best[1], best[2], only=best[3])
         self._speculating = False
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
             self._probe_every = self._next_probe(best[0], plain_rate)
-            return self._choice(asks, best[1], best[2], probe=True)
+            # A set of drafters no step has used is priced by the prior alone (no better
+            # than a guess): the probe measures it first.
+            probe = unmeasured if unmeasured is not None else best
+            return self._choice(asks, probe[1], probe[2], probe=True, only=probe[3])
         return BatchChoice(0, plain_rows)
 
     def _untried(self, asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int | None:
@@ -324,13 +352,13 @@ class BatchDraftPolicy:
 
         return min(candidates, key=known)
 
-    def _choice(self, asks, big_k: int, rows, probe: bool = False) -> BatchChoice:
-        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows))
+    def _choice(self, asks, big_k: int, rows, probe: bool = False, only=None) -> BatchChoice:
+        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows), only)
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
-        rows = self._plan(asks, choice.num_draft, self._gains())[0]
-        return self._choice(asks, choice.num_draft, rows, choice.probe)
+        rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
+        return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only)
 
     def _next_probe(self, rate: float, plain_rate: float) -> int:
         """Steps before the next probe: twice the last interval, at least enough that a

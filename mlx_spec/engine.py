@@ -588,12 +588,13 @@ class BatchEngine:
         """Rank 0's choice on every rank of a sharded target (the choice itself otherwise)."""
         if self.sync is None:
             return choice
-        flat = [choice.num_draft, int(choice.probe), choice.catch_up]
+        only = -1 if choice.only is None else choice.only
+        flat = [choice.num_draft, int(choice.probe), choice.catch_up, only]
         for arm, k in choice.rows:
             flat += [-1 if arm is None else arm, k]
         flat = self.sync.share_ints(flat)
-        rows = [(None if a < 0 else a, k) for a, k in zip(flat[3::2], flat[4::2], strict=True)]
-        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2])
+        rows = [(None if a < 0 else a, k) for a, k in zip(flat[4::2], flat[5::2], strict=True)]
+        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], None if flat[3] < 0 else flat[3])
 
     # --- plain steps, pipelined -------------------------------------------------------------
 

@@ -650,6 +650,34 @@ def test_batch_policy_tries_a_drafter_of_the_group_it_never_chose():
     assert sum(u == {1} for u in used[-100:]) >= 80
 
 
+def test_batch_policy_leaves_a_row_undrafted_rather_than_pay_a_drafter_for_it():
+    """Rows of a group (an MTP head and n-gram lookup): the lookup has drafts for seven rows,
+    keeps 75% of them and costs nothing; the head costs 6 ms a draft however few rows use
+    it. The eighth row, with no lookup match, would draft with the head alone and make every
+    step pay its passes: the policy drafts the seven with the lookup and the eighth not at
+    all (each row choosing for itself drafted it with the head on every step)."""
+    policy, rng = BatchDraftPolicy(["mtp", "ngram"]), random.Random(3)
+    accept = {0: 0.6, 1: 0.75}
+    head_steps = []
+    for _ in range(300):
+        asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(7)]
+        asks.append(RowAsk([0, 1], None, 8, [None, 0]))
+        choice = policy.choose(asks)
+        outcomes = []
+        for arm, k in choice.rows:
+            n = 0
+            while arm is not None and n < k and rng.random() < accept[arm]:
+                n += 1
+            outcomes.append((k, n))
+        big_k = max(k for _, k in choice.rows)
+        head = any(arm == 0 and k for arm, k in choice.rows)
+        policy.observe(choice.rows, outcomes, 1e-3 * (10 + big_k + 6 * big_k * head))
+        if big_k:
+            head_steps.append(head)
+    assert sum(head_steps[-100:]) <= 20
+    assert len(head_steps) > 150  # it speculates: with the lookup, on most steps
+
+
 def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
