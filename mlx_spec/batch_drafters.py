@@ -255,9 +255,6 @@ class _ModelDrafter(BatchDrafter):
                 token = draw(p, gumbel(drawing, (p.shape[-1],)))  # [B]
                 probs.append(p)
             tokens.append(token)
-            # Queued as built: the pass computes while the next one (or the verifying pass)
-            # is built (on a CPU, MLX blocks only once ~100 operations are pending).
-            mx.async_eval(token)
             lengths = [1 if k > step + 1 else 0 for k in want]
             if self.needs_hidden:  # the module's own output at the drawing position
                 hidden = self.model.feedback

@@ -136,13 +136,13 @@ class _Row:
 @dataclass
 class StepTrace:
     """Where one step's seconds went (`BatchEngine.trace`): rows B, drafts K, catch-up
-    tokens, the tokens it emitted over its rows; `draft_build`: building the drafters' passes,
-    each queued as built (on a CPU, MLX returns from queueing only once at most ~100 of its
-    operations are pending, so this runs most of the drafting); `verify_build`: building the
-    verifying pass while the drafts compute; `draft_queue`: waiting for the drafts to finish;
-    `verify`: the verifying pass; `host`: reading the outcome, the rows' bookkeeping and the
-    policy (the device idle). A plain step (K = 0; each pass is queued before the last is
-    read) is timed from the last step read to its own, all in `verify`."""
+    tokens, the tokens it emitted over its rows; `draft_build`: building the drafters' graphs
+    (the device idle); `draft_queue`: queueing them (on a CPU, MLX returns only once a
+    bounded number of its operations are still pending, so this runs most of the drafting);
+    `verify_build`: building the verifying pass while the drafts finish; `verify`: waiting
+    for it; `host`: reading the outcome, the rows' bookkeeping and the policy (the device idle
+    again). A plain step (K = 0; each pass is queued before the last is read) is timed from
+    the last step read to its own, all in `verify`."""
 
     rows: int
     num_draft: int
@@ -682,11 +682,15 @@ class BatchEngine:
     def _speculative_step(self, rows: list[_Row], choice) -> None:
         tic = time.perf_counter()
         self._threads(len(rows))  # the drafters' passes: a token per row, most of them
-        tokens, probs, counts = self._draft(rows, choice.rows)  # model passes queued as built
+        tokens, probs, counts = self._draft(rows, choice.rows)
         k = 0 if tokens is None else tokens.shape[1]
         built = time.perf_counter()
-        # The verifying pass is built while the drafts compute, and queued once they are done:
-        # its width sets the BLAS threads, which must not change under a drafter's pass.
+        if k:  # the drafters compute while the verifying pass is built
+            mx.async_eval(tokens if probs is None else (tokens, probs))
+        # Queueing returns with the drafting nearly done (few operations may stay pending):
+        # the verifying pass's width sets the threads from here.
+        self._threads(len(rows) * (1 + k))
+        queued = time.perf_counter()
         lengths = [1 + n for n in counts]
         x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
         if k:
@@ -701,11 +705,7 @@ class BatchEngine:
         if self.sync is not None:  # rank 0's outcome, one collective for both
             both = self.sync.share(mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)]))
             accepted, nxt = both[0], both[1]
-        verify_built = time.perf_counter()
-        if k:
-            mx.eval(tokens if probs is None else (tokens, probs))
-        self._threads(len(rows) * (1 + k))
-        drafted = time.perf_counter()
+        waited = time.perf_counter()
         mx.eval(accepted, nxt, x)
         read = time.perf_counter()
         accepted, nxt, fed = accepted.tolist(), nxt.tolist(), x.tolist()
@@ -723,15 +723,10 @@ class BatchEngine:
         self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic, choice.catch_up)
         self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
         if self.trace is not None:
+            stamps = [tic, built, queued, waited, read, self._last_settle]
+            spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             tokens = sum(1 + n for _, n in outcomes)
-            self.trace.append(
-                StepTrace(
-                    len(rows), k, choice.catch_up, tokens,
-                    draft_build=built - tic, verify_build=verify_built - built,
-                    draft_queue=drafted - verify_built, verify=read - drafted,
-                    host=self._last_settle - read,
-                )
-            )  # fmt: skip
+            self.trace.append(StepTrace(len(rows), k, choice.catch_up, tokens, *spans))
 
     def _draft(self, rows: list[_Row], plan):
         """The step's drafts: `[B, K]` ids, `[B, K, V]` distributions (None: every draft
