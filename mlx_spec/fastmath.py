@@ -124,7 +124,8 @@ def _additive(mask, queries: int, keys: int) -> mx.array:
     per pass and hands it to every layer: the last one converted is kept for the next layer."""
     key = ("causal", queries, keys) if isinstance(mask, str) else mask
     last = _state["mask"]
-    if last is not None and (last[0] is key or (isinstance(key, tuple) and last[0] == key)):
+    same = isinstance(key, tuple) and isinstance(last and last[0], tuple) and last[0] == key
+    if last is not None and (last[0] is key or same):
         return last[1]
     if isinstance(mask, str):  # "causal": query i is position keys - queries + i
         mask = mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]

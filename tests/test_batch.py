@@ -626,16 +626,15 @@ def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
     assert sum(k == 1 for k in ks[-100:]) >= 70
 
 
-def test_batch_policy_tries_a_drafter_of_the_group_it_never_chose():
-    """Rows of a group (an MTP head and n-gram lookup): the head is tried first (equal priors,
-    first in order), keeps 60% of its drafts and costs 2 ms a draft; the lookup, never chosen,
-    would keep 75% for nothing. Exploring steps that try the drafter the plan leaves out find
-    it, and the rows draft with it from then on."""
-    policy, rng = BatchDraftPolicy(["mtp", "ngram"]), random.Random(2)
+def _group_steps(asks, steps: int, head_ms: float, seed: int) -> list[tuple[int, bool]]:
+    """A policy over rows of a group (arm 0: an MTP head keeping 60% of its drafts, arm 1:
+    n-gram lookup keeping 75%) run for `steps`, a step costing 10 ms + 1 ms per draft
+    position + `head_ms` per draft position if any row drafts with the head; per step its
+    K and whether the head drafted."""
+    policy, rng = BatchDraftPolicy(["mtp", "ngram"]), random.Random(seed)
     accept = {0: 0.6, 1: 0.75}
-    used = []
-    for _ in range(400):
-        asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(8)]
+    out = []
+    for _ in range(steps):
         choice = policy.choose(asks)
         outcomes = []
         for arm, k in choice.rows:
@@ -645,37 +644,30 @@ def test_batch_policy_tries_a_drafter_of_the_group_it_never_chose():
             outcomes.append((k, n))
         big_k = max(k for _, k in choice.rows)
         head = any(arm == 0 and k for arm, k in choice.rows)
-        policy.observe(choice.rows, outcomes, 1e-3 * (10 + big_k + 2 * big_k * head))
-        used.append({arm for arm, k in choice.rows if k})
-    assert sum(u == {1} for u in used[-100:]) >= 80
+        policy.observe(choice.rows, outcomes, 1e-3 * (10 + big_k + head_ms * big_k * head))
+        out.append((big_k, head))
+    return out
+
+
+def test_batch_policy_tries_a_drafter_of_the_group_it_never_chose():
+    """The head is tried first (equal priors, first in order) and costs 2 ms a draft; the
+    lookup, never chosen, would keep more for nothing. Exploring steps that try the drafter
+    the plan leaves out find it, and the rows draft with it from then on."""
+    asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(8)]
+    steps = _group_steps(asks, 400, head_ms=2, seed=2)
+    assert sum(k > 0 and not head for k, head in steps[-100:]) >= 80
 
 
 def test_batch_policy_leaves_a_row_undrafted_rather_than_pay_a_drafter_for_it():
-    """Rows of a group (an MTP head and n-gram lookup): the lookup has drafts for seven rows,
-    keeps 75% of them and costs nothing; the head costs 6 ms a draft however few rows use
-    it. The eighth row, with no lookup match, would draft with the head alone and make every
-    step pay its passes: the policy drafts the seven with the lookup and the eighth not at
-    all (each row choosing for itself drafted it with the head on every step)."""
-    policy, rng = BatchDraftPolicy(["mtp", "ngram"]), random.Random(3)
-    accept = {0: 0.6, 1: 0.75}
-    head_steps = []
-    for _ in range(300):
-        asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(7)]
-        asks.append(RowAsk([0, 1], None, 8, [None, 0]))
-        choice = policy.choose(asks)
-        outcomes = []
-        for arm, k in choice.rows:
-            n = 0
-            while arm is not None and n < k and rng.random() < accept[arm]:
-                n += 1
-            outcomes.append((k, n))
-        big_k = max(k for _, k in choice.rows)
-        head = any(arm == 0 and k for arm, k in choice.rows)
-        policy.observe(choice.rows, outcomes, 1e-3 * (10 + big_k + 6 * big_k * head))
-        if big_k:
-            head_steps.append(head)
-    assert sum(head_steps[-100:]) <= 20
-    assert len(head_steps) > 150  # it speculates: with the lookup, on most steps
+    """The lookup has drafts for seven rows; the head costs 6 ms a draft however few rows
+    use it. The eighth row, with no lookup match, would draft with the head alone and make
+    every step pay its passes: the policy drafts the seven with the lookup and the eighth
+    not at all (each row choosing for itself drafted it with the head on every step)."""
+    asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(7)]
+    asks.append(RowAsk([0, 1], None, 8, [None, 0]))
+    heads = [head for k, head in _group_steps(asks, 300, head_ms=6, seed=3) if k]
+    assert sum(heads[-100:]) <= 20
+    assert len(heads) > 150  # it speculates: with the lookup, on most steps
 
 
 def test_batchable_families(loaded):

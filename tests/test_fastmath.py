@@ -142,3 +142,13 @@ def test_a_model_computes_the_same_with_and_without_it(checkpoints):
             slow = model(tokens)
         assert mx.allclose(fast, slow, atol=1e-4, rtol=1e-4), family
         assert mx.array_equal(fast.argmax(-1), slow.argmax(-1)), family
+
+
+def test_a_mask_converted_for_one_layer_serves_the_next_and_no_other():
+    q, k, v = (mx.random.normal((1, 2, 3, 8)) for _ in range(3))
+    rows = mx.random.uniform(shape=(1, 1, 3, 3)) > 0.3
+    rows = rows | mx.eye(3, dtype=mx.bool_)
+    for mask in ["causal", rows, "causal", rows, rows.astype(mx.float32) * -5.0, "causal"]:
+        ours = fastmath.scaled_dot_product_attention(q, k, v, None, scale=0.5, mask=mask)
+        theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
+        assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
