@@ -74,6 +74,7 @@ class _Costs:
         self.fits: dict[tuple, list] = {}  # arms -> [x^T x (4x4), x^T y (4)]
         self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2, c3), until a step
         self.cells: dict[tuple, list[float]] = {}  # (arms, B, K) -> [decayed sum, weight]
+        self._memo: dict[tuple, float] = {}  # predictions since the last step observed
 
     def plain_seconds(self, rows: int) -> float:
         if rows in self.plain:
@@ -103,6 +104,12 @@ class _Costs:
         return np.maximum(weights, 0.0)  # no part of a step makes it cheaper
 
     def seconds(self, rows: int, big_k: int, arms: tuple, catch_up: float = 0.0) -> float:
+        key = (rows, big_k, arms, catch_up)
+        if key not in self._memo:  # a choice asks for the same shapes many times
+            self._memo[key] = self._seconds(rows, big_k, arms, catch_up)
+        return self._memo[key]
+
+    def _seconds(self, rows: int, big_k: int, arms: tuple, catch_up: float) -> float:
         plain = self.plain_seconds(rows)
         if big_k == 0:
             return plain
@@ -114,6 +121,7 @@ class _Costs:
         return plain + extra + c3 * catch_up
 
     def observe(self, rows: int, big_k: int, arms: tuple, seconds: float, catch_up=0) -> None:
+        self._memo.clear()
         if big_k == 0:
             old = self.plain.get(rows)
             self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
@@ -287,19 +295,25 @@ class BatchDraftPolicy:
             return BatchChoice(0, plain_rows)
         # A group's rows each take the drafter that looks best for them alone; a step pays
         # for every drafter its rows use, though (a model drafter's passes for one row that
-        # an n-gram lookup cannot serve), so each group drafter alone is a plan too.
-        variants = [None] + sorted({arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms})
+        # an n-gram lookup cannot serve), so where they mix drafters, each of those drafters
+        # alone is a plan too; so is a group drafter no step has used alone yet.
+        group = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms}
+        untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
         best, plans, unmeasured = None, {}, None
         for big_k in range(1, self.max_draft + 1):
-            for only in variants:
+            variants = [None, *untried]
+            for only in variants:  # grows while it runs
                 rows, tokens = self._plan(asks, big_k, accept, only=only)
-                rate = self._rate(asks, rows, tokens)
+                shape = self.shape(rows)
+                if only is None and len(shape[2]) > 1:
+                    variants += [arm for arm in shape[2] if arm not in variants]
+                spread = self.catch_up(asks, rows) / self.horizon
+                rate = tokens / self.costs.seconds(*shape, spread)
                 if big_k not in plans or rate > plans[big_k][2]:
                     plans[big_k] = (rows, tokens, rate, only)
                 if best is None or rate > best[0]:
                     best = (rate, big_k, rows, only)
-                fresh = self.shape(rows)[2] not in self.costs.fits
-                if fresh and (unmeasured is None or rate > unmeasured[0]):
+                if shape[2] not in self.costs.fits and (unmeasured is None or rate > unmeasured[0]):
                     unmeasured = (rate, big_k, rows, only)
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
