@@ -187,10 +187,12 @@ def _reference_vjp(qkv: list, cotangent, scale: mx.array, mask) -> list:
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the fast softmax on the CPU."""
+    original = _state["originals"][1]
+    if sinks is not None or hasattr(cache, "bits") or not isinstance(keys, mx.array):
+        # attention sinks; a quantized cache's keys are (packed, scales, biases) tuples
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     b, heads, length, _ = queries.shape
-    scores = b * heads * length * keys.shape[2]
-    if sinks is not None or hasattr(cache, "bits") or not _active(queries, scores):
-        original = _state["originals"][1]
+    if not _active(queries, b * heads * length * keys.shape[2]):
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     factor = mx.array(scale, mx.float32)
     if mask is None:

@@ -152,3 +152,17 @@ def test_a_mask_converted_for_one_layer_serves_the_next_and_no_other():
         ours = fastmath.scaled_dot_product_attention(q, k, v, None, scale=0.5, mask=mask)
         theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
         assert mx.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_quantized_cache_goes_to_mlx_lms_quantized_attention():
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    cache = QuantizedKVCache(group_size=32, bits=8)
+    q = mx.random.normal((1, 2, 3, 64))
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, 3, 64)), q)
+    # (mlx-lm's quantized attention scales its queries in place: each call gets a copy)
+    expect = ORIGINAL_SDPA(mx.array(q), keys, values, cache, scale=0.125, mask="causal")
+    got = fastmath.scaled_dot_product_attention(
+        mx.array(q), keys, values, cache, scale=0.125, mask="causal"
+    )
+    assert mx.array_equal(got, expect)
