@@ -77,10 +77,6 @@ def _swiglu_of(gate: mx.array, x: mx.array, p: mx.array, two_n: mx.array) -> mx.
     return gate / (1.0 + _exp_of(-gate, p, two_n)) * x
 
 
-def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
-    return _swiglu_of(gate, x, *_parts(-gate))
-
-
 def softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis of float32 `scores` (-inf: weight 0)."""
     shifted = scores - scores.max(axis=-1, keepdims=True)
@@ -104,7 +100,7 @@ def _active(x: mx.array, elements: int) -> bool:
 
 @mx.custom_function
 def _swiglu(gate, x):
-    return _swiglu_fast(gate, x)
+    return _swiglu_of(gate, x, *_parts(-gate))
 
 
 @_swiglu.vjp
@@ -122,17 +118,18 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def _additive(mask, queries: int, keys: int) -> mx.array:
     """The mask as a 4-D additive float mask (0 or -inf where boolean). A model builds one mask
     per pass and hands it to every layer: the last one converted is kept for the next layer."""
-    key = ("causal", queries, keys) if isinstance(mask, str) else mask
+    # An array mask is known by its identity: the entry keeps it alive, so its id stays its own.
+    key = ("causal", queries, keys) if isinstance(mask, str) else ("array", id(mask))
     last = _state["mask"]
-    same = isinstance(key, tuple) and isinstance(last and last[0], tuple) and last[0] == key
-    if last is not None and (last[0] is key or same):
-        return last[1]
+    if last is not None and last[0] == key:
+        return last[2]
+    given = mask
     if isinstance(mask, str):  # "causal": query i is position keys - queries + i
         mask = mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None]
     if mask.dtype == mx.bool_:
         mask = mx.where(mask, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
     mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape) if mask.ndim < 4 else mask
-    _state["mask"] = (key, mask)
+    _state["mask"] = (key, given, mask)
     return mask
 
 
@@ -188,7 +185,7 @@ def _reference_vjp(qkv: list, cotangent, scale: mx.array, mask) -> list:
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the fast softmax on the CPU."""
     original = _state["originals"][1]
-    if sinks is not None or hasattr(cache, "bits") or not isinstance(keys, mx.array):
+    if sinks is not None or not isinstance(keys, mx.array):
         # attention sinks; a quantized cache's keys are (packed, scales, biases) tuples
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     b, heads, length, _ = queries.shape
