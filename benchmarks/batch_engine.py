@@ -22,7 +22,11 @@ engine otherwise sets the BLAS threads per pass width, `mlx_spec.blas_threads`).
 `--trace` prints, under each mode, where its steps' time went (the engine's `StepTrace`:
 building the drafters' graphs, queueing them, building the verifying pass, waiting for it,
 and the host's work after it; a plain step's time is all its pass's), per rows and drafts
-(K = 0: plain steps), with the tokens the steps emitted per millisecond.
+(K = 0: plain steps), with the tokens the steps emitted per millisecond, and the share of the
+wall time (summed over the repeats) in plain, speculative and catch-up steps and outside them
+(prefill, joins, the policy's choice). With several requests per client, the steps with fewer
+rows than N are the run's tail: clients whose requests drafted well are done, the others still
+run (plain decoding keeps every row in step, so it has none).
 
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
@@ -146,11 +150,22 @@ def run_peer(model, clients: list[list], max_tokens: int, temperature: float):
     return tokens, seconds, 0.0
 
 
-def print_trace(trace: list) -> None:
+def print_trace(trace: list, wall: float) -> None:
     """Per (rows, drafts): the median milliseconds of each part of a step (the engine's
     `StepTrace`; K = 0: plain steps) and the mean tokens it emitted, over the steps without a
-    catch-up."""
+    catch-up; then where the `wall` seconds of the runs went: plain steps, speculative steps
+    (with a catch-up apart) and the rest (prefill, joins, leaving rows)."""
     parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
+    totals: dict[str, list] = {"plain": [0.0, 0], "speculative": [0.0, 0], "catch-up": [0.0, 0]}
+    for step in trace:
+        kind = "catch-up" if step.catch_up else "speculative" if step.num_draft else "plain"
+        totals[kind][0] += sum(getattr(step, part) for part in parts)
+        totals[kind][1] += step.tokens
+    rest = wall - sum(s for s, _ in totals.values())
+    cells = "  ".join(
+        f"{kind} {s / wall:4.0%} ({n / s if s else 0:.0f} tok/s)" for kind, (s, n) in totals.items()
+    )
+    print(f"      wall {wall:.2f} s: {cells}  other (prefill, joins) {rest / wall:4.0%}")
     shapes: dict[tuple, list] = {}
     for step in trace:
         if not step.catch_up:
@@ -263,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = configurations(engine, model, batch, args)
         runs: dict[str, list] = {name: [] for name, _ in configs}
         traces: dict[str, list] = {}
+        walls: dict[str, float] = {}
         for _, fn in configs:  # warm-up (and the policy's first measurements)
             fn()
         for r in range(args.repeats):
@@ -270,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in order:
                 engine.trace = traces.setdefault(name, []) if args.trace else None
                 tokens, seconds, acceptance = fn()
+                walls[name] = walls.get(name, 0.0) + seconds
                 runs[name].append((tokens / seconds, acceptance))
         peer = statistics.median(t for t, _ in runs["mlx-lm"])
         for name, values in runs.items():
@@ -285,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if traces.get(name):
-                print_trace(traces[name])
+                print_trace(traces[name], walls[name])
     record = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         **machine_info(),

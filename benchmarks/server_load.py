@@ -125,11 +125,14 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
 async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dict:
     """`concurrency` clients, each sending `requests` requests back to back."""
 
+    finished: list[float] = []  # when each client's last request ended
+
     async def client_loop(index: int) -> list[dict]:
         out = []
         for r in range(requests):
             prompt = PROMPTS[(index * requests + r) % len(PROMPTS)]
             out.append(await one_request(client, {**body, "prompt": prompt}))
+        finished.append(time.perf_counter())
         return out
 
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -149,6 +152,8 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
         "errors": errors,
         "completion_tokens": tokens,
         "wall_seconds": wall,
+        # The share of the run after the first client was done: fewer streams than N ran.
+        "tail_share": (tic + wall - min(finished)) / wall if wall else 0.0,
         "throughput_tokens_per_sec": tokens / wall if wall else 0.0,
         "latency_p50_s": pct(latencies, 50),
         "latency_p95_s": pct(latencies, 95),
@@ -515,7 +520,8 @@ def _format(row: dict) -> str:
         f" tok/s  per stream {row['per_stream_tokens_per_sec']:6.1f} tok/s  latency p50 "
         f"{row['latency_p50_s']:.2f}s p95 {row['latency_p95_s']:.2f}s  TTFT p50 "
         f"{row['ttft_p50_ms']:.0f}ms p95 {row['ttft_p95_ms']:.0f}ms  acceptance "
-        f"{row['acceptance_rate']:.2f}  errors {row['errors']}"
+        f"{row['acceptance_rate']:.2f}  tail {row.get('tail_share', 0.0):.0%}  "
+        f"errors {row['errors']}"
     )
 
 

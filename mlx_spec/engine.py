@@ -50,7 +50,7 @@ from mlx_spec.batch_sampling import (
 from mlx_spec.blas_threads import BlasThreads
 from mlx_spec.decode import Round
 from mlx_spec.drafters.base import hidden_wanted
-from mlx_spec.hidden import tap_for
+from mlx_spec.hidden import at_positions, head_positions, tap_for
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -442,11 +442,16 @@ class BatchEngine:
         ]
         self._threads(len(rows) * width)
         group.cache.begin(lengths)
-        logits = self.model(mx.array(x, mx.uint32), cache=group.cache.layers)
-        group.cache.end(lengths)
-        finishing = [i for i, (n, m) in enumerate(zip(lengths, left, strict=True)) if n and n == m]
         at = mx.array([max(n - 1, 0) for n in lengths])
-        last = mx.take_along_axis(logits, at[:, None, None], axis=1)[:, 0, : self.vocab]
+        # The head projects each row's last position only (the others' logits are not read).
+        logits = head_positions(self.model)(
+            self.model, at, mx.array(x, mx.uint32), cache=group.cache.layers
+        )
+        group.cache.end(lengths)
+        if logits.shape[1] != 1:  # a model whose output does not come from the head found
+            logits = at_positions(logits, at)
+        finishing = [i for i, (n, m) in enumerate(zip(lengths, left, strict=True)) if n and n == m]
+        last = logits[:, 0, : self.vocab]
         first = self._draw(rows, last) if finishing else None
         features = self.features.now()
         for i, row in enumerate(rows):

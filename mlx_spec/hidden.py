@@ -72,8 +72,9 @@ def at_positions(x: mx.array, at: mx.array) -> mx.array:
 
 class HeadPositions:
     """While `at` is set (`[B]` positions), the model's output head projects only row i's
-    position `at[i]` (logits `[B, 1, V]`): a drafter catching up over many positions needs
-    the logits of one."""
+    position `at[i]` (logits `[B, 1, V]`): a drafter catching up over many positions, or a
+    prompt prefilled, needs the logits of one. A head that also records its input
+    (`tap_hidden`) still records every position."""
 
     def __init__(self):
         self.at: mx.array | None = None
@@ -94,9 +95,13 @@ def _selecting_subclass(cls: type, method: str) -> type:
 
         def selecting(self, x, *args, **kwargs):
             at = self._mlx_spec_positions.at
-            if at is not None:
-                x = at_positions(x, at)
-            return original(self, x, *args, **kwargs)
+            if at is None:
+                return original(self, x, *args, **kwargs)
+            out = original(self, at_positions(x, at), *args, **kwargs)
+            tap = self.__dict__.get("_mlx_spec_tap")
+            if tap is not None:  # a recording head below this one saw the narrowed input
+                tap.hidden = x
+            return out
 
         _SUBCLASSES[key] = type(f"Selecting{cls.__name__}", (cls,), {method: selecting})
     return _SUBCLASSES[key]

@@ -289,6 +289,28 @@ def test_narrowed_heads_give_the_logits_at_the_positions_asked(loaded, mtp_targe
     assert mx.allclose(head.feedback, mx.take_along_axis(feedback, at[:, None, None], axis=1))
 
 
+@pytest.mark.parametrize("tap_first", [True, False])
+def test_a_narrowed_head_still_records_every_position(checkpoints, tap_first):
+    """The engine narrows the target's head to each prefilled row's last position (no other
+    position's logits are read); a recording tap on the same head (the features an MTP head
+    reads) still holds every position, whichever of the two wrappers the head took first."""
+    from mlx_spec.hidden import head_positions, tap_hidden
+
+    model, _ = mlx_spec.load(str(checkpoints["llama"][0]))  # a fresh head, wrapped here only
+    for wrap in (tap_hidden, head_positions) if tap_first else (head_positions, tap_hidden):
+        wrap(model)
+    tap = tap_hidden(model)
+    x = mx.array([[3, 4, 5, 6], [7, 8, 9, 10]], mx.uint32)
+    at = mx.array([3, 1], mx.int32)
+    full = model(x)
+    everything = tap.hidden
+    got = head_positions(model)(model, at, x)
+    assert got.shape == (2, 1, full.shape[-1])
+    assert mx.allclose(got, mx.take_along_axis(full, at[:, None, None], axis=1), atol=1e-5)
+    assert tap.hidden.shape == everything.shape == (2, 4, everything.shape[-1])
+    assert mx.allclose(tap.hidden, everything, atol=1e-6)
+
+
 def test_mtp_rows_take_entries_with_hidden_states(mtp_target):
     """A row drafting with the MTP head (it reads the target's hidden states) never takes an
     entry left by a plain row (none kept): it prefills anew, and its own entry then serves the
