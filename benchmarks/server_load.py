@@ -11,7 +11,9 @@ to back (different prompts, greedy, up to `--max-tokens` tokens each), and the s
 - throughput: completion tokens of all requests / wall time of the whole run;
 - per-request latency (request sent -> last event) p50 / p95;
 - time to first token (request sent -> first text event) p50 / p95;
-- errors (any non-200 answer or error event; there should be none).
+- errors (any non-200 answer or error event; there should be none);
+- tail: the share of the run after the first client was done (fewer than N streams ran:
+  clients whose requests finished sooner wait for the others).
 
 After the load rows come conversations (`--turns`, default 4; `--conversation-only` for them
 alone): each turn's prompt is the previous prompt + its reply + `--turn-tokens` new tokens of
