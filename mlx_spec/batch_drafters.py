@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_sampling import RowRandom, batch_probs, draw, gumbel
 from mlx_spec.drafters.ngram import NgramIndex
-from mlx_spec.hidden import at_positions, head_positions
+from mlx_spec.hidden import logits_at
 from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
@@ -466,7 +466,4 @@ def _logits_at(model: nn.Module, x: mx.array, layers: list, hidden, at: mx.array
     ours (MTP, EAGLE-3) narrow themselves; a draft model's head is narrowed from outside."""
     if hidden is not None:
         return model(x, cache=layers, hidden=hidden, at=at)
-    logits = head_positions(model)(model, at, x, cache=layers)
-    if logits.shape[1] != 1:  # a model whose output does not come from the head found
-        logits = at_positions(logits, at)
-    return logits
+    return logits_at(model, at, x, cache=layers)

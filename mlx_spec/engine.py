@@ -50,7 +50,7 @@ from mlx_spec.batch_sampling import (
 from mlx_spec.blas_threads import BlasThreads
 from mlx_spec.decode import Round
 from mlx_spec.drafters.base import hidden_wanted
-from mlx_spec.hidden import at_positions, head_positions, tap_for
+from mlx_spec.hidden import logits_at, tap_for
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -444,12 +444,8 @@ class BatchEngine:
         group.cache.begin(lengths)
         at = mx.array([max(n - 1, 0) for n in lengths])
         # The head projects each row's last position only (the others' logits are not read).
-        logits = head_positions(self.model)(
-            self.model, at, mx.array(x, mx.uint32), cache=group.cache.layers
-        )
+        logits = logits_at(self.model, at, mx.array(x, mx.uint32), cache=group.cache.layers)
         group.cache.end(lengths)
-        if logits.shape[1] != 1:  # a model whose output does not come from the head found
-            logits = at_positions(logits, at)
         finishing = [i for i, (n, m) in enumerate(zip(lengths, left, strict=True)) if n and n == m]
         last = logits[:, 0, : self.vocab]
         first = self._draw(rows, last) if finishing else None

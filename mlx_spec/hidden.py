@@ -119,6 +119,14 @@ def head_positions(model: nn.Module) -> HeadPositions:
     return positions
 
 
+def logits_at(model: nn.Module, at: mx.array, *args, **kwargs) -> mx.array:
+    """`[B, 1, V]`: `model(*args, **kwargs)`'s logits at row i's position `at[i]` only, its
+    head narrowed there (`head_positions`); a model whose output does not come from the
+    head found is sliced afterwards."""
+    logits = head_positions(model)(model, at, *args, **kwargs)
+    return logits if logits.shape[1] == 1 else at_positions(logits, at)
+
+
 # --- several layers: the features EAGLE-3 and DFlash read -------------------------------------
 
 
