@@ -1,24 +1,31 @@
-"""What the vectorized exp (mlx_spec/fastmath.py) saves per pass, on and off in one process.
+"""What mlx-spec's CPU fast paths save per pass, each on and off in one process.
 
+`--part exp` (default): the vectorized exp (mlx_spec/fastmath.py); `--part ops`: RoPE and
+RMSNorm in fewer, fused ops (mlx_spec/fused.py); `--part layout`: linear weights stored
+column-major (mlx_spec/weight_layout.py) against a second copy of the model stored as loaded.
 Times the embedded target's pass over B rows x S tokens each (a batch's plain step: S = 1; a
 verifying pass of S - 1 drafts: S > 1) and the MTP head's drafting pass, against a batch cache
-of `--context` tokens per row, with MLX's own exp and with the fast one, interleaved (A, B, A,
-B, ...) so that the machine's drift falls on both; medians of `--repeats` timings each.
+of `--context` tokens per row, without and with the fast path, interleaved (A, B, A, B, ...)
+so that the machine's drift falls on both; medians of `--repeats` timings each. The other
+fast paths stay on.
 
     python benchmarks/fast_math.py --json benchmarks/results/fast_math.json
+    python benchmarks/fast_math.py --part ops --json benchmarks/results/fused_ops.json
+    python benchmarks/fast_math.py --part layout --json benchmarks/results/weight_layout.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import fastmath
+from mlx_spec import fastmath, fused, weight_layout
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.bench import machine_info
 from mlx_spec.blas_threads import BlasThreads
@@ -55,20 +62,56 @@ def _timer(model, rows: int, context: int, hidden: int | None):
     return once
 
 
-def measure(once, tokens: int, repeats: int, threads: BlasThreads | None, rows: int) -> dict:
+PARTS = {  # part: (name of MLX's own, name of the fast path)
+    "exp": ("MLX exp", "fast exp"),
+    "ops": ("MLX ops", "fused ops"),
+    "layout": ("row-major", "column-major"),
+}
+
+
+def _key(label: str) -> str:
+    return label.lower().replace(" ", "_").replace("-", "_") + "_ms"
+
+
+def _switched_off(once, module):
+    def off(tokens: int) -> float:
+        with module.disabled():
+            return once(tokens)
+
+    return off
+
+
+def measure(slow, fast, tokens: int, repeats: int, threads, rows: int, part: str) -> dict:
+    """Interleaved timings of `slow` (MLX's own) and `fast` (the fast path)."""
+    off, on = PARTS[part]
     if threads is not None:
         threads.use(rows * tokens)
     for _ in range(3):
-        once(tokens)
-        with fastmath.disabled():
-            once(tokens)
-    fast, slow = [], []
+        fast(tokens)
+        slow(tokens)
+    a, b = [], []
     for _ in range(repeats):
-        with fastmath.disabled():
-            slow.append(once(tokens))
-        fast.append(once(tokens))
-    a, b = statistics.median(slow) * 1e3, statistics.median(fast) * 1e3
-    return {"mlx_exp_ms": round(a, 3), "fast_exp_ms": round(b, 3), "speedup": round(a / b, 3)}
+        a.append(slow(tokens))
+        b.append(fast(tokens))
+    a, b = statistics.median(a) * 1e3, statistics.median(b) * 1e3
+    return {_key(off): round(a, 3), _key(on): round(b, 3), "speedup": round(a / b, 3)}
+
+
+def _load(target_dir, row_major: bool = False):
+    """The target and its MTP head (with `row_major`: the weights as stored, not rewritten
+    column-major)."""
+    before = os.environ.get(weight_layout.ENV)
+    if row_major:
+        os.environ[weight_layout.ENV] = "0"
+    try:
+        model, _ = mlx_spec.load(str(target_dir))
+        head = mlx_spec.load_mtp_drafter(str(target_dir), model).module
+    finally:
+        if before is None:
+            os.environ.pop(weight_layout.ENV, None)
+        else:
+            os.environ[weight_layout.ENV] = before
+    return model, head
 
 
 def main(argv=None) -> int:
@@ -77,32 +120,46 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 6])
     p.add_argument("--context", type=int, default=150, help="tokens per row in the cache")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--part", choices=list(PARTS), default="exp", help="which fast path (exp)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    if not fastmath.install():
-        print("the fast exp is not installed here (Linux only; MLX_SPEC_FAST_MATH=0?)")
+    off, on = PARTS[args.part]
+    switch = {"exp": fastmath, "ops": fused}.get(args.part)
+    if switch is not None and not switch.install():
+        print(f"the {on} path is not installed here (Linux only; {switch.ENV}=0?)")
+        return 1
+    if switch is None and not weight_layout.enabled():
+        print(f"the weights stay as stored here (not the CPU, or {weight_layout.ENV}=0)")
         return 1
     target_dir, _ = converted_pair()
-    model, _ = mlx_spec.load(str(target_dir))
-    head = mlx_spec.load_mtp_drafter(str(target_dir), model).module
+    model, head = _load(target_dir)
+    twin, twin_head = _load(target_dir, row_major=True) if switch is None else (None, None)
     threads = BlasThreads.calibrate(model)
     results = []
-    for name, module, hidden in (("target", model, None), ("mtp head", head, 384)):
+    for name, fast_module, slow_module, hidden in (
+        ("target", model, twin, None),
+        ("mtp head", head, twin_head, 384),
+    ):
         for rows in args.rows:
-            once = _timer(module, rows, args.context, hidden)
+            fast = _timer(fast_module, rows, args.context, hidden)
+            if switch is None:
+                slow = _timer(slow_module, rows, args.context, hidden)
+            else:
+                slow = _switched_off(fast, switch)
             for tokens in args.tokens if name == "target" else [1]:
                 row = {"model": name, "rows": rows, "tokens_per_row": tokens}
-                row.update(measure(once, tokens, args.repeats, threads, rows))
+                row.update(measure(slow, fast, tokens, args.repeats, threads, rows, args.part))
                 results.append(row)
                 print(
-                    f"{name:9s} B={rows} S={tokens}: MLX exp {row['mlx_exp_ms']:7.2f} ms   "
-                    f"fast exp {row['fast_exp_ms']:7.2f} ms   {row['speedup']:.2f}x",
+                    f"{name:9s} B={rows} S={tokens}: {off} {row[_key(off)]:7.2f} ms   "
+                    f"{on} {row[_key(on)]:7.2f} ms   {row['speedup']:.2f}x",
                     flush=True,
                 )
     if args.json:
         record = {
             "command": " ".join(["fast_math.py", *(argv or sys.argv[1:])]),
             **machine_info(),
+            "part": args.part,
             "context": args.context,
             "repeats": args.repeats,
             "results": results,

@@ -12,6 +12,10 @@ from mlx_spec import fastmath  # noqa: E402
 
 fastmath.install()  # MLX's Linux CPU exp is scalar: SwiGLU and attention get a vectorized one
 
+from mlx_spec import fused  # noqa: E402
+
+fused.install()  # MLX's CPU RoPE and RMSNorm are graphs of small ops: fewer, fused ones
+
 from mlx_spec.api import (  # noqa: E402
     GenerationChunk,
     GenerationResult,

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_spec import distributed
+from mlx_spec import distributed, weight_layout
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import dflash as dflash_drafter
@@ -109,6 +109,7 @@ def load(
         raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
+        weight_layout.column_major(model)
     mx.eval(model.parameters())
     object.__setattr__(model, SOURCE_ATTR, local)  # so drafter="mtp" finds <dir>/mtp
     return model, tokenizer

@@ -25,6 +25,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from . import fused
+
 STEP = 256  # columns are allocated in steps of this many
 EMPTY = -1
 # Columns of a sliding-window group older than the window by more than this stay until a
@@ -51,6 +53,16 @@ class _Positions:
         # the first column it took (until `keep_tree`).
         self.tree: tuple[mx.array, mx.array] | None = None
         self.tree_start = 0
+
+    @property
+    def offset(self) -> mx.array:
+        """`[B]` the next position of each row. Replaced, never updated in place: the array
+        is registered with `fused.stable`, so RoPE shares its angles across the layers."""
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: mx.array) -> None:
+        self._offset = fused.stable(value)
 
     @property
     def batch(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlx_spec import weight_layout
 from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.drafters.draft_model import CATCH_UP, context_budget, draft_steps
 from mlx_spec.models.mtp import MTPModule, target_hidden_size, target_layers
@@ -270,5 +271,6 @@ def load_mtp_drafter(path: str | Path, target: nn.Module) -> MTPDrafter:
         raise ValueError(f"{where}: MTP weights do not fit the target's layer kind: {exc}") from exc
     if mx.default_device() == mx.cpu:
         module.set_dtype(mx.float32)
+        weight_layout.column_major(module)
     mx.eval(module.parameters())
     return MTPDrafter(module, target)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlx_spec import weight_layout
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -51,6 +53,7 @@ def load_checked(module: nn.Module, tensors: dict[str, mx.array], path: Path) ->
     module.load_weights(list(tensors.items()), strict=True)
     if mx.default_device() == mx.cpu:
         module.set_dtype(mx.float32)
+        weight_layout.column_major(module)
     mx.eval(module.parameters())
 
 

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx_spec import weight_layout
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
@@ -383,5 +385,6 @@ def load_assistant(path: str | Path) -> Gemma4Assistant:
     model.load_weights(list(weights.items()), strict=True)
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
+        weight_layout.column_major(model)
     mx.eval(model.parameters())
     return model
