@@ -234,12 +234,29 @@ def spec_server(args, slots: int) -> ServerProcess:
     return ServerProcess("mlx-spec serve", command)
 
 
+# mlx_lm.server started with mlx-spec's CPU fast paths: `import mlx_spec` installs the
+# vectorized exp and the fused RoPE / RMSNorm; mlx-lm's loader is wrapped so that the model's
+# linear weights are stored column-major, as `mlx_spec.load` stores them.
+_PEER_FAST = """
+import runpy
+import mlx_spec
+import mlx_lm.utils
+from mlx_spec import weight_layout
+_load_model = mlx_lm.utils.load_model
+def load_model(*args, **kwargs):
+    model, config = _load_model(*args, **kwargs)
+    weight_layout.column_major(model)
+    return model, config
+mlx_lm.utils.load_model = load_model
+runpy.run_module("mlx_lm.server", run_name="__main__")
+"""
+
+
 def peer_server(model_dir: Path, fast_math: bool = False) -> ServerProcess:
-    """mlx_lm.server; with `fast_math`, started through `import mlx_spec` so that its models get
-    mlx-spec's vectorized exp too (mlx_spec/fastmath.py)."""
+    """mlx_lm.server; with `fast_math`, with mlx-spec's CPU fast paths too (the vectorized exp,
+    the fused RoPE / RMSNorm, column-major linear weights: `_PEER_FAST`)."""
     if fast_math:
-        start = "import mlx_spec, runpy; runpy.run_module('mlx_lm.server', run_name='__main__')"
-        command = [sys.executable, "-c", start]
+        command = [sys.executable, "-c", _PEER_FAST]
     else:
         command = [sys.executable, "-m", "mlx_lm.server"]
     return ServerProcess("mlx_lm.server", command + ["--model", str(model_dir)])
@@ -382,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--peer-fast-math",
         action="store_true",
-        help="give mlx_lm.server mlx-spec's vectorized exp too (it runs MLX's own by default)",
+        help="give mlx_lm.server mlx-spec's CPU fast paths too (vectorized exp, fused RoPE and "
+        "RMSNorm, column-major weights; by default it runs MLX's own)",
     )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")

@@ -132,6 +132,7 @@ def _load_sharded(name: str, local: Path, mode: str, group) -> tuple[nn.Module, 
         twin.set_dtype(mx.float32)
     distributed.check_same(group, distributed.fingerprint(local, twin), "model")
     used = distributed.shard_target(model, group, mode)
+    weight_layout.column_major(model)  # each rank's own part, after the split
     mx.eval(model.parameters())
     for m in (model, twin):
         object.__setattr__(m, SOURCE_ATTR, local)
