@@ -203,7 +203,7 @@ def install() -> bool:
     whether it is installed."""
     if _state["installed"]:
         return True
-    if sys.platform != "linux" or os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no"):
+    if sys.platform != "linux" or not env_allows(ENV):
         return False
     import mlx_lm.models.activations as activations
     import mlx_lm.models.base as base
@@ -223,11 +223,21 @@ def install() -> bool:
     return True
 
 
+def env_allows(name: str) -> bool:
+    """Whether the environment leaves a fast path on: `name` unset, or not 0 / off / no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "no")
+
+
 @contextlib.contextmanager
-def disabled():
-    """MLX's own exp inside the block (the fast paths installed stay, switched off)."""
-    before, _state["on"] = _state["on"], False
+def switched_off(state: dict):
+    """A fast path's `state["on"]` False inside the block."""
+    before, state["on"] = state["on"], False
     try:
         yield
     finally:
-        _state["on"] = before
+        state["on"] = before
+
+
+def disabled():
+    """MLX's own exp inside the block (the fast paths installed stay, switched off)."""
+    return switched_off(_state)

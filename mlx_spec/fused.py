@@ -34,13 +34,13 @@ mlx-lm's models look up at call time; `disabled()` switches it off for a block (
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import sys
 import threading
 from collections import OrderedDict
 from functools import partial
+
+from mlx_spec.fastmath import env_allows, switched_off
 
 import mlx.core as mx
 
@@ -189,7 +189,7 @@ def install() -> bool:
     are replaced."""
     if _state["installed"]:
         return True
-    if sys.platform != "linux" or os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no"):
+    if sys.platform != "linux" or not env_allows(ENV):
         return False
     _state["rope"], _state["rms_norm"] = mx.fast.rope, mx.fast.rms_norm
     mx.fast.rope, mx.fast.rms_norm = rope, rms_norm
@@ -197,11 +197,6 @@ def install() -> bool:
     return True
 
 
-@contextlib.contextmanager
 def disabled():
     """MLX's own fallbacks inside the block (the replacements stay, switched off)."""
-    before, _state["on"] = _state["on"], False
-    try:
-        yield
-    finally:
-        _state["on"] = before
+    return switched_off(_state)

@@ -18,7 +18,7 @@ makes the copy row-major again: it is only a layout).
 
 from __future__ import annotations
 
-import os
+from mlx_spec.fastmath import env_allows
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,10 +27,7 @@ ENV = "MLX_SPEC_WEIGHT_LAYOUT"  # 0: keep the weights as loaded
 
 
 def enabled() -> bool:
-    return (
-        os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "no")
-        and mx.default_device().type == mx.cpu
-    )
+    return env_allows(ENV) and mx.default_device().type == mx.cpu
 
 
 def column_major(module: nn.Module) -> int:
