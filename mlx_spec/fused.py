@@ -69,14 +69,19 @@ def _scale_unweighted(x, mean_square, eps):
     return x * mx.rsqrt(mean_square + eps)
 
 
+def _remember(table: OrderedDict, key, value) -> None:
+    """`table[key] = value` as the newest entry; the oldest beyond `_KEEP` dropped."""
+    with _lock:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > _KEEP:
+            table.popitem(last=False)
+
+
 def stable(offset: mx.array) -> mx.array:
     """Register `offset` (an array of positions that is replaced, never updated in place) so
     that RoPE calls at its positions share their cosines and sines. Returns it."""
-    with _lock:
-        _stable[id(offset)] = offset
-        _stable.move_to_end(id(offset))
-        while len(_stable) > _KEEP:
-            _stable.popitem(last=False)
+    _remember(_stable, id(offset), offset)
     return offset
 
 
@@ -128,10 +133,7 @@ def _angles_of(offset, length: int, half: int, base, scale: float, freqs, dtype)
         return entry[1]
     pair = _cos_sin(offset, length, half, base, scale, freqs, dtype)
     if pair is not None:
-        with _lock:
-            _angles[key] = ((offset, freqs), pair)
-            while len(_angles) > _KEEP:
-                _angles.popitem(last=False)
+        _remember(_angles, key, ((offset, freqs), pair))
     return pair
 
 
