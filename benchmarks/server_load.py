@@ -6,14 +6,20 @@ Linux); the clients (`httpx` async streams of `POST /v1/completions` with
 `stream_options.include_usage`) run in this process, so the measurement covers HTTP, SSE, the
 engine's scheduling and the model. For every speculation mode (the request's `speculative`
 field; `none` is plain decoding) and every N, N clients each send `--requests` requests back
-to back (different prompts, greedy, up to `--max-tokens` tokens each), and the script reports:
+to back (different prompts, greedy, up to `--max-tokens` tokens each; with `--vary-tokens LO HI`
+each request's own budget, drawn from LO..HI, the same draws for every mode and the peer), and
+the script reports:
 
 - throughput: completion tokens of all requests / wall time of the whole run;
 - per-request latency (request sent -> last event) p50 / p95;
 - time to first token (request sent -> first text event) p50 / p95;
 - errors (any non-200 answer or error event; there should be none);
 - tail: the share of the run after the first client was done (fewer than N streams ran:
-  clients whose requests finished sooner wait for the others).
+  clients whose requests finished sooner wait for the others);
+- steady throughput: the completion tokens streamed while all N clients ran (before the first
+  was done; a request's tokens spread evenly over its text events) over that time. With
+  requests of equal length plain decoding keeps its rows in step, so its run has no tail;
+  speculation's rows finish apart, and its run ends with fewer than N streams.
 
 After the load rows come conversations (`--turns`, default 4; `--conversation-only` for them
 alone): each turn's prompt is the previous prompt + its reply + `--turn-tokens` new tokens of
@@ -37,6 +43,7 @@ hidden 256, 4 layers, a draft model that is a perturbed copy of the target);
 Examples:
     python benchmarks/server_load.py                       # N = 1, 4, 8; each mode; the peer
     python benchmarks/server_load.py --quick
+    python benchmarks/server_load.py --vary-tokens 16 112 --requests 4 --turns 0
     python benchmarks/server_load.py --model ./target --draft-model ./draft --json load.json
 """
 
@@ -93,7 +100,7 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     """Send one streaming completion; returns its timings, token count and error (if any)."""
     tic = time.perf_counter()
     first, tokens, error, acceptance = None, 0, None, 0.0
-    pieces, prompt_tokens, cached, events = [], 0, 0, 0
+    pieces, prompt_tokens, cached, stamps = [], 0, 0, []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -113,19 +120,31 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                 acceptance = (usage.get("speculative") or {}).get("acceptance_rate", 0.0)
             if event.get("choices") and event["choices"][0].get("text"):
                 pieces.append(event["choices"][0]["text"])
-                events += 1
+                stamps.append(time.perf_counter())
                 if first is None:
-                    first = time.perf_counter() - tic
+                    first = stamps[-1] - tic
     latency = time.perf_counter() - tic
     return {
-        "latency": latency, "ttft": first, "tokens": tokens or events, "error": error,
+        "latency": latency, "ttft": first, "tokens": tokens or len(stamps), "error": error,
         "acceptance": acceptance, "text": "".join(pieces), "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
+        "cached_tokens": cached, "stamps": stamps,
     }  # fmt: skip
 
 
-async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dict:
-    """`concurrency` clients, each sending `requests` requests back to back."""
+def token_budgets(concurrency: int, requests: int, vary: list[int] | None) -> list | None:
+    """Per client, each request's `max_tokens` drawn uniformly from `vary` = [LO, HI] (seeded by
+    N: every mode and the peer get the same ones); None: the body's own for every request."""
+    if not vary:
+        return None
+    rng = np.random.default_rng(concurrency)
+    return rng.integers(vary[0], vary[1] + 1, size=(concurrency, requests)).tolist()
+
+
+async def run_load(
+    url: str, concurrency: int, requests: int, body: dict, budgets: list[list[int]] | None = None
+) -> dict:
+    """`concurrency` clients, each sending `requests` requests back to back (`budgets`: client
+    i's request r asks for `budgets[i][r]` tokens)."""
 
     finished: list[float] = []  # when each client's last request ended
 
@@ -133,7 +152,8 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
         out = []
         for r in range(requests):
             prompt = PROMPTS[(index * requests + r) % len(PROMPTS)]
-            out.append(await one_request(client, {**body, "prompt": prompt}))
+            own = {} if budgets is None else {"max_tokens": budgets[index][r]}
+            out.append(await one_request(client, {**body, "prompt": prompt, **own}))
         finished.append(time.perf_counter())
         return out
 
@@ -147,6 +167,7 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
     latencies = [r["latency"] for r in done]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in done)
+    steady = min(finished) - tic  # every client had a request in flight until then
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
     return {
         "concurrency": concurrency,
@@ -157,6 +178,7 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
         # The share of the run after the first client was done: fewer streams than N ran.
         "tail_share": (tic + wall - min(finished)) / wall if wall else 0.0,
         "throughput_tokens_per_sec": tokens / wall if wall else 0.0,
+        "steady_tokens_per_sec": _tokens_before(done, tic + steady) / steady if steady else 0.0,
         "latency_p50_s": pct(latencies, 50),
         "latency_p95_s": pct(latencies, 95),
         "ttft_p50_ms": pct(ttfts, 50) * 1e3,
@@ -166,6 +188,17 @@ async def run_load(url: str, concurrency: int, requests: int, body: dict) -> dic
             r["tokens"] / r["latency"] for r in done
         ) if done else 0.0,
     }  # fmt: skip
+
+
+def _tokens_before(done: list[dict], until: float) -> float:
+    """Completion tokens the requests had streamed by `until` (a request's tokens spread evenly
+    over its text events: an event may carry several tokens under speculation)."""
+    total = 0.0
+    for r in done:
+        stamps = r["stamps"]
+        if stamps:
+            total += r["tokens"] * sum(1 for t in stamps if t <= until) / len(stamps)
+    return total
 
 
 class ServerProcess:
@@ -317,7 +350,8 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
         for n in args.concurrency:
             shift = repeat % len(configs)
             for label, url, body in configs[shift:] + configs[:shift]:
-                row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body))}
+                budgets = token_budgets(n, args.requests, args.vary_tokens)
+                row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body, budgets))}
                 runs.setdefault((label, n), []).append(row)
                 print(f"[{repeat + 1}/{args.repeats}] " + _format(row), flush=True)
     rows = []
@@ -380,6 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3, help="requests per client (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    p.add_argument(
+        "--vary-tokens",
+        nargs=2,
+        type=int,
+        metavar=("LO", "HI"),
+        help="each request asks for a max_tokens drawn from LO..HI (the same draws for every "
+        "mode and the peer) instead of --max-tokens: requests of different lengths, as real "
+        "traffic; with equal lengths, plain decoding keeps its rows in step, speculation not",
+    )
     p.add_argument("--num-draft", default="auto", help="k or auto (default auto)")
     p.add_argument(
         "--modes",
@@ -411,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.concurrency, args.requests, args.max_tokens, args.repeats = [1, 4], 1, 32, 1
+    if args.vary_tokens:
+        lo, hi = args.vary_tokens
+        if not 1 <= lo <= hi:
+            p.error("--vary-tokens needs 1 <= LO <= HI")
+        args.max_tokens = max(args.max_tokens, hi)  # the servers' limit
     num_draft = args.num_draft if args.num_draft == "auto" else int(args.num_draft)
 
     built = args.model is None and args.random
@@ -461,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "model": f"random llama {json.dumps(SHAPE)}" if built else Path(args.model).name,
         "max_tokens": args.max_tokens,
+        "vary_tokens": args.vary_tokens,
         "requests_per_client": args.requests,
         "repeats": args.repeats,
         "max_concurrent": slots,
@@ -496,19 +545,22 @@ def summary(record: dict) -> str:
         if r["mode"] == "mlx_lm.server" and "concurrency" in r
     }
     lines = [
-        "| mode | N | throughput (tokens/s) | over mlx_lm.server | per stream (tokens/s) "
-        "| latency p50 / p95 (s) | time to first token p50 / p95 (ms) | acceptance |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | N | throughput (tokens/s) | over mlx_lm.server | while all N ran (tokens/s) "
+        "| per stream (tokens/s) | latency p50 / p95 (s) | time to first token p50 / p95 (ms) "
+        "| acceptance |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "concurrency" not in r:
             continue
         base = peer.get(r["concurrency"])
         versus = f"{r['throughput_tokens_per_sec'] / base:.2f}x" if base else "-"
+        steady = f"{r['steady_tokens_per_sec']:.1f}" if "steady_tokens_per_sec" in r else "-"
         plain = r["mode"] in ("none", "mlx_lm.server")
         accept = "-" if plain else f"{r['acceptance_rate']:.2f}"
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['throughput_tokens_per_sec']:.1f} | {versus} "
+            f"| {steady} "
             f"| {r['per_stream_tokens_per_sec']:.1f} | {r['latency_p50_s']:.2f} / "
             f"{r['latency_p95_s']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} "
             f"| {accept} |"
@@ -540,7 +592,8 @@ def _format(row: dict) -> str:
         f" tok/s  per stream {row['per_stream_tokens_per_sec']:6.1f} tok/s  latency p50 "
         f"{row['latency_p50_s']:.2f}s p95 {row['latency_p95_s']:.2f}s  TTFT p50 "
         f"{row['ttft_p50_ms']:.0f}ms p95 {row['ttft_p95_ms']:.0f}ms  acceptance "
-        f"{row['acceptance_rate']:.2f}  tail {row.get('tail_share', 0.0):.0%}  "
+        f"{row['acceptance_rate']:.2f}  tail {row.get('tail_share', 0.0):.0%}  steady "
+        f"{row.get('steady_tokens_per_sec', 0.0):.1f} tok/s  "
         f"errors {row['errors']}"
     )
 

@@ -49,6 +49,9 @@ class BatchDrafter:
 
     name = "drafter"
     needs_hidden = False
+    # Whether a row joining it costs a pass over its prompt (a model drafter's cache), which
+    # the engine pays only where the batch policy has been drafting with it (`join_pays`).
+    feeds_prompt = False
 
     def __init__(self):
         self.rows: list[int] = []
@@ -162,6 +165,8 @@ class _ModelDrafter(BatchDrafter):
     """A model over a `BatchCache` of its rows; per row the tokens emitted but not yet fed
     (the next draft feeds them, the last one included)."""
 
+    feeds_prompt = True
+
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
@@ -169,6 +174,7 @@ class _ModelDrafter(BatchDrafter):
         self._pending: dict[int, list[int]] = {}
         self._hidden: dict[int, list[mx.array]] = {}  # MTP: hidden rows of the pending pairs
         self._fed: dict[int, tuple[int, int]] = {}  # row -> (cache length, pending) at drafting
+        self._cuts: dict[int, int] = {}  # row -> the length its cache is cut back to (queued)
 
     def available(self, row: int, k: int) -> int | None:
         return None if self._pending[row] else 0
@@ -179,10 +185,11 @@ class _ModelDrafter(BatchDrafter):
     def reset(self) -> None:
         super().reset()
         self.cache = None
-        for state in (self._pending, self._hidden, self._fed):
+        for state in (self._pending, self._hidden, self._fed, self._cuts):
             state.clear()
 
     def _add(self, row: int, cache: BatchCache) -> None:
+        self._apply_cuts()
         self.rows.append(row)
         if self.cache is None:
             self.cache = cache
@@ -191,6 +198,7 @@ class _ModelDrafter(BatchDrafter):
 
     def leave(self, row: int) -> BatchCache:
         """The row's cache, compact."""
+        self._apply_cuts()
         i = self.rows.index(row)
         one = self.cache.extract(i, self.model)
         rest = [j for j in range(len(self.rows)) if j != i]
@@ -211,6 +219,7 @@ class _ModelDrafter(BatchDrafter):
         return BatchCache(self.model, 1), 0
 
     def token_bytes(self, width: int) -> int:
+        self._apply_cuts()
         kept, self.cache = self.cache, BatchCache(self.model, 1)
         try:  # one token through a fresh one-row cache
             hidden = mx.zeros((1, 1, width)) if self.needs_hidden else None
@@ -231,6 +240,7 @@ class _ModelDrafter(BatchDrafter):
         want = [ks.get(row, 0) if self._pending[row] else 0 for row in self.rows]
         if not any(want):
             return None
+        self._apply_cuts()
         self.cache.tidy()
         first = [self._pending[row] if k else [] for row, k in zip(self.rows, want, strict=True)]
         lengths = [len(t) for t in first]
@@ -263,8 +273,17 @@ class _ModelDrafter(BatchDrafter):
         return DraftBlock(list(self.rows), want, mx.stack(tokens, axis=1), dists)
 
     def _cut(self, row: int, length: int) -> None:
+        """Queue the row's rollback to `length` tokens: the rows settled after one step are
+        cut together (one masking pass over the positions, not one per row)."""
+        self._cuts[row] = length
+
+    def _apply_cuts(self) -> None:
+        if not self._cuts:
+            return
         lengths = self.cache.lengths
-        lengths[self.rows.index(row)] = length
+        for row, length in self._cuts.items():
+            lengths[self.rows.index(row)] = length
+        self._cuts.clear()
         self.cache.truncate(lengths)
 
     def accept(self, row, drafted, accepted, emitted, hidden) -> None:

@@ -15,6 +15,15 @@ it loses, a probe step runs now and then, less often the more a probe costs.
 Rows with a fixed `num_draft` draft that many whatever K is; rows that may use several
 drafters (a group) take the one with the most expected tokens per cost each step. The choice
 depends on earlier steps only, so every row's output keeps the target's distribution.
+
+A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
+whether the policy then drafts with it or not. So the policy also keeps, per batch size, the
+share of recent steps that drafted with each drafter, and a row joins a model drafter only
+where that share is at least `min_share` (or not measured yet, or as every `probe_join`-th
+row it turned away, so that the share stays measured): at a batch size where the policy
+decodes plainly, or where a group's rows draft with a cheaper drafter, rows skip the pass,
+and take the drafter in later if the batch comes to a size where the policy drafts with it
+(fewer rows: the end of a busy spell).
 """
 
 from __future__ import annotations
@@ -166,6 +175,9 @@ class BatchDraftPolicy:
             every width it might choose.
         horizon: the speculative steps a catch-up is expected to serve (its cost is spread
             over them when choosing).
+        min_share, probe_join, use_decay: `join_pays` (see the module): the share of steps
+            (decayed by `use_decay` per step of the same batch size) below which a joining
+            row skips a model drafter, and every how many skipped rows one joins anyway.
     """
 
     def __init__(
@@ -182,6 +194,9 @@ class BatchDraftPolicy:
         probe_budget: float = 0.01,
         explore_every: int = 8,
         horizon: int = 8,
+        min_share: float = 0.25,
+        probe_join: int = 8,
+        use_decay: float = 0.95,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -196,6 +211,10 @@ class BatchDraftPolicy:
         self._since_spec = 0
         self._probe_every = probe_min
         self._steps = 0  # speculative steps chosen for their rate
+        self.min_share, self.probe_join, self.use_decay = min_share, probe_join, use_decay
+        # Per batch size: [decayed steps, decayed steps drafting with each arm].
+        self._use: dict[int, list] = {}
+        self._turned_away = [0] * len(self.arms)  # rows that skipped each arm since one joined
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -374,6 +393,27 @@ class BatchDraftPolicy:
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
         return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only)
 
+    def join_pays(self, arm: int, rows: int, probe: bool = True) -> bool:
+        """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt:
+        the policy drafted with it in at least `min_share` of the recent steps of that many
+        rows (of at least a few), or (`probe`) every `probe_join`-th row it would turn away."""
+        steps, used = self._use.get(rows, (0.0, None))
+        if steps < 4.0 or used[arm] >= self.min_share * steps:
+            return True
+        if not probe:
+            return False
+        self._turned_away[arm] += 1
+        if self._turned_away[arm] >= self.probe_join:
+            self._turned_away[arm] = 0
+            return True
+        return False
+
+    def _count_use(self, rows: list[tuple[int | None, int]]) -> None:
+        use = self._use.setdefault(len(rows), [0.0, [0.0] * len(self.arms)])
+        drafting = {arm for arm, k in rows if arm is not None and k > 0}
+        use[0] = self.use_decay * use[0] + 1.0
+        use[1] = [self.use_decay * u + (a in drafting) for a, u in enumerate(use[1])]
+
     def _next_probe(self, rate: float, plain_rate: float) -> int:
         """Steps before the next probe: twice the last interval, at least enough that a
         probe's expected loss (in plain steps) stays within `probe_budget` of them."""
@@ -389,6 +429,7 @@ class BatchDraftPolicy:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
         accepted); it took `seconds`, `catch_up` tokens of it catching up (`BatchChoice`)."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
+        self._count_use(rows)
         if not any(k for _, k in rows):
             self._since_spec += 1
             self._plain_seen += 1

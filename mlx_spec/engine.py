@@ -113,7 +113,7 @@ class _Row:
     tokens: list[int]  # the sequence; the target's cache holds all but the last
     cutter: OutputCutter
     stats: SpecStats
-    arms: list[int]  # indices of the drafters it may use
+    arms: list[int]  # indices of the drafters it may use (that took it in)
     random: RowRandom | None
     features: tuple = ()  # the target features its drafters read (`_Features` kinds)
     prefill: BatchCache | None = None  # before its group forms: what the prompt cache had
@@ -122,6 +122,7 @@ class _Row:
     states: dict = field(default_factory=dict)  # drafter states from the prompt cache
     common: int = 0  # tokens shared with those states' sequence
     hidden: list = field(default_factory=list)  # its features, in order (`features`)
+    skipped: list = field(default_factory=list)  # model drafters it left out at joining
     produced: int = 0
     first_pending: bool = False  # joined the batch before its first token (`_join_direct`)
     done: bool = False
@@ -499,16 +500,15 @@ class BatchEngine:
         """Every prompt of the group is in: rows its first token ended (or whose client left)
         go to the prompt cache; the others' drafters catch up and their caches join the
         batch."""
-        staying = []
+        staying = [i for i, row in enumerate(group.rows) if not (row.done or row.cancelled)]
         for i, row in enumerate(group.rows):
-            if row.done or row.cancelled:
+            if i not in staying:
                 if self.row_cache is not None and not row.cancelled:
                     hidden = mx.concatenate(row.hidden) if row.needs_hidden else None
                     one = group.cache.extract(i, self.model)
                     self.row_cache.put(row.tokens, one, {}, hidden, row.features)
                 continue
-            staying.append(i)
-            self._join_drafters(row)
+            self._join_drafters(row, len(self.active) + len(staying))
         if not staying:
             return
         if len(staying) < len(group.rows):
@@ -523,25 +523,64 @@ class BatchEngine:
             cache.extend(row.prefill)
         for row in rows:
             row.prefill, row.first_pending = None, True
-            self._join_drafters(row)
+            self._join_drafters(row, len(self.active) + len(rows))
         self._extend(cache, rows)
 
-    def _join_drafters(self, row: _Row) -> None:
-        """The row's drafters take it in: its sequence, its features, their saved states."""
-        hidden = None
-        if row.needs_hidden:
-            hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
-            row.hidden = [hidden]
+    def _join_drafters(self, row: _Row, size: int) -> None:
+        """The row's drafters take it in: its sequence, its features, their saved states. A
+        model drafter with no saved state for it, which would feed it the whole prompt, is
+        left out where the policy has not been drafting with it at this batch size
+        (`BatchDraftPolicy.join_pays`; rows with a fixed k always join): the row decodes
+        without it until it joins late (`_join_late`)."""
+        hidden = self._all_hidden(row)
+        auto = not isinstance(row.request.num_draft, int)
+        joined = []
         for arm in row.arms:
             name = self.names[arm]
-            self.drafters[name].join(
-                row.id,
-                row.tokens,
-                self._columns(row, name, hidden),
-                row.states.pop(name, None),
-                row.common,
-            )
+            drafter = self.drafters[name]
+            state = row.states.pop(name, None)
+            if auto and state is None and drafter.feeds_prompt:
+                if not self.policy.join_pays(arm, size):
+                    row.skipped.append(arm)
+                    continue
+            drafter.join(row.id, row.tokens, self._columns(row, name, hidden), state, row.common)
+            joined.append(arm)
+        row.arms = joined
         row.states = {}
+
+    @staticmethod
+    def _all_hidden(row: _Row) -> mx.array | None:
+        """The row's features at every position fed so far, as one array (None: it keeps
+        none)."""
+        if not row.needs_hidden:
+            return None
+        hidden = mx.concatenate(row.hidden) if len(row.hidden) > 1 else row.hidden[0]
+        row.hidden = [hidden]
+        return hidden
+
+    def _join_late(self) -> None:
+        """Rows that left out a model drafter at joining take it in now where the policy has
+        come to draft with it at the batch's size (the queued plain step settled first, so
+        that each row's sequence and features are whole)."""
+        size = len(self.active)
+        late = [
+            (row, arm)
+            for row in self.active
+            for arm in row.skipped
+            if self.policy.join_pays(arm, size, probe=False)
+        ]
+        if not late:
+            return
+        self._flush()
+        for row, arm in late:
+            if row.done or row.cancelled:
+                continue
+            name = self.names[arm]
+            hidden = self._columns(row, name, self._all_hidden(row))
+            self.drafters[name].join(row.id, row.tokens, hidden, None, 0)
+            row.skipped.remove(arm)
+            row.arms.append(arm)
+        self._last_settle = time.perf_counter()  # the joins are no step's time
 
     def _extend(self, cache: BatchCache, rows: list[_Row]) -> None:
         """Rows (and their cache) join the batch after its rows."""
@@ -567,6 +606,9 @@ class BatchEngine:
         return RowAsk(row.arms, fixed, limit, available, [d.backlog(row.id) for d in drafters])
 
     def _decode(self) -> None:
+        self._join_late()
+        if not self.active:
+            return
         rows = list(self.active)
         choice = self._shared(self.policy.choose([self._ask(r) for r in rows]))
         plain = not any(k for _, k in choice.rows)

@@ -692,6 +692,56 @@ def test_batch_policy_leaves_a_row_undrafted_rather_than_pay_a_drafter_for_it():
     assert len(heads) > 150  # it speculates: with the lookup, on most steps
 
 
+def test_a_row_joins_a_model_drafter_only_where_the_policy_drafts_with_it():
+    """`join_pays`: with few steps seen at a batch size a row joins; where the drafter drafted
+    in under `min_share` of the recent steps of that size it is turned away, but for every
+    `probe_join`-th row (late checks, `probe=False`, never count); where it drafted in more,
+    it joins."""
+    policy = BatchDraftPolicy(["ngram", "draft"], probe_join=3)
+    assert policy.join_pays(1, 8)  # nothing seen at B = 8
+    for _ in range(40):  # B = 8: the lookup drafts, the draft model never
+        policy.observe([(0, 2)] * 8, [(2, 1)] * 8, 0.01)
+    for _ in range(40):  # B = 2: the draft model drafts
+        policy.observe([(1, 2)] * 2, [(2, 1)] * 2, 0.01)
+    assert policy.join_pays(0, 8)
+    assert not any(policy.join_pays(1, 8, probe=False) for _ in range(10))
+    assert [policy.join_pays(1, 8) for _ in range(6)] == [False, False, True] * 2
+    assert policy.join_pays(1, 2, probe=False)
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_a_row_that_skipped_its_drafter_joins_it_late(loaded, group):
+    """Rows joining a batch of three while the policy has not drafted with the draft model at
+    that size leave it out (decoding plainly, or with the lookup of their group); when the
+    others are done and one row is left (a size where it drafts), the row takes it in late and
+    drafts with it. Every row's tokens equal plain single-stream decoding."""
+    model, tok, draft, _ = loaded["llama"]
+    tok = with_eos(tok)
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=64)
+    policy = engine.policy
+    policy.probe_join = 10**6
+    arm = engine.names.index("draft-model")
+    for _ in range(20):  # the draft model never drafted at B = 2 or 3, always at B = 1
+        for rows in (2, 3):
+            policy.observe([(0, 1)] * rows, [(1, 1)] * rows, 0.01)
+        policy.observe([(arm, 2)], [(2, 2)], 0.01)
+    policy.hits[arm] = [100.0] * policy.max_draft  # it looks worth drafting with
+    policy.trials[arm] = [100.0] * policy.max_draft
+    requests = busy_requests(scored_vocab(model, tok), "all" if group else "draft-model", "auto")
+    requests = [requests[i] for i in (1, 3, 2)]  # 25, 8 and 60 tokens
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        assert (
+            tokens
+            == mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
+        )
+    short, longest = results[1][1].stats, results[2][1].stats
+    assert short.drafter_rounds.get("draft-model", 0) == 0
+    assert longest.drafter_rounds.get("draft-model", 0) > 0
+    assert engine.cache is None and all(not d.rows for d in drafters.values())
+
+
 def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])

@@ -268,3 +268,33 @@ def test_round_breakdown_script(checkpoints, tmp_path):
         total = sum(r["phases_ms"].values())
         assert total == pytest.approx(r["profiled_ms_per_round"], rel=1e-6)
         assert r["phases_ms"]["target pass + verification"] > 0
+
+
+def _server_load():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "server_load.py"
+    spec = importlib.util.spec_from_file_location("server_load", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_server_load_budgets_and_steady_tokens():
+    """benchmarks/server_load.py: `--vary-tokens` draws the same budgets for every mode at an
+    N (within LO..HI, not all equal); the steady throughput counts a request's tokens by the
+    share of its text events streamed before the first client was done."""
+    load = _server_load()
+    assert load.token_budgets(4, 3, None) is None
+    budgets = load.token_budgets(8, 4, [16, 112])
+    assert budgets == load.token_budgets(8, 4, [16, 112])
+    assert len(budgets) == 8 and all(len(b) == 4 for b in budgets)
+    flat = [n for b in budgets for n in b]
+    assert all(16 <= n <= 112 for n in flat) and len(set(flat)) > 1
+    done = [
+        {"tokens": 10, "stamps": [1.0, 2.0]},  # all in before 2.5
+        {"tokens": 12, "stamps": [2.0, 3.0, 4.0]},  # a third of its events before 2.5
+        {"tokens": 5, "stamps": []},  # no text event: nothing counted
+    ]
+    assert load._tokens_before(done, 2.5) == pytest.approx(10 + 4)
+    assert load._tokens_before(done, 0.5) == 0
