@@ -283,6 +283,9 @@ class BatchEngine:
         self._joining: _Joining | None = None  # requests being prefilled together
         self._last_settle = time.perf_counter()
         self._prefill_spent = 0.0  # prefill time since the last settled step
+        # Model drafters' joins since then (within the prefill time): charged to the next
+        # speculative step, as a cost of drafting with them (a plain step is charged none).
+        self._join_spent = 0.0
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
         # Set to a list to record where each step's time goes (`StepTrace`).
         self.trace: list[StepTrace] | None = None
@@ -543,7 +546,9 @@ class BatchEngine:
                 if not self.policy.join_pays(arm, size):
                     row.skipped.append(arm)
                     continue
+            tic = time.perf_counter()
             drafter.join(row.id, row.tokens, self._columns(row, name, hidden), state, row.common)
+            self._join_spent += time.perf_counter() - tic
             joined.append(arm)
         row.arms = joined
         row.states = {}
@@ -572,6 +577,7 @@ class BatchEngine:
         if not late:
             return
         self._flush()
+        tic = time.perf_counter()
         for row, arm in late:
             if row.done or row.cancelled:
                 continue
@@ -580,7 +586,9 @@ class BatchEngine:
             self.drafters[name].join(row.id, row.tokens, hidden, None, 0)
             row.skipped.remove(arm)
             row.arms.append(arm)
-        self._last_settle = time.perf_counter()  # the joins are no step's time
+        spent = time.perf_counter() - tic  # prefill work: charged as the joins at a prefill
+        self._prefill_spent += spent
+        self._join_spent += spent
 
     def _extend(self, cache: BatchCache, rows: list[_Row]) -> None:
         """Rows (and their cache) join the batch after its rows."""
@@ -706,6 +714,7 @@ class BatchEngine:
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
             self.policy.observe(choice.rows, [(0, 0)] * len(choice.rows), seconds)
+            self._join_spent = 0.0
             if self.trace is not None:  # a pipelined step: its time is its pass's
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
                 self.trace.append(StepTrace(len(ahead.ids), 0, 0, emitted, *spans))
@@ -763,8 +772,12 @@ class BatchEngine:
             outcomes.append((counts[i], min(n, keep - 1)))
         self.cache.truncate(targets)
         self.cache.tidy()  # the rejected drafts' columns, squeezed out once they are many
-        self.policy.observe(choice.rows, outcomes, time.perf_counter() - tic, choice.catch_up)
-        self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
+        # Timed like a plain step: from the last step settled (the choice, the rows' asks and
+        # leaving are the step's too), prefill work apart, the drafters' joins included.
+        spent = self._prefill_spent - self._join_spent
+        seconds = time.perf_counter() - self._last_settle - spent
+        self.policy.observe(choice.rows, outcomes, seconds, choice.catch_up)
+        self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, 0.0
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
