@@ -18,6 +18,10 @@ a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound
 
 `--compare-threads` adds plain decoding with every BLAS thread on every pass (on a CPU the
 engine otherwise sets the BLAS threads per pass width, `mlx_spec.blas_threads`).
+`--compare-joins` adds each speculative mode with every joining row taken in by every model
+drafter it may use (the policy's `join_pays` off), and `--compare-plain-when-full` each with
+plain steps forced whenever the batch holds N rows (an experiment: what speculation in a full
+batch gains or loses, all its costs counted).
 
 `--trace` prints, under each mode, where its steps' time went (the engine's `StepTrace`:
 building the drafters' graphs, queueing them, building the verifying pass, waiting for it,
@@ -54,6 +58,7 @@ from mlx_spec.batch_drafters import (
     BatchMTP,
     BatchNgram,
 )
+from mlx_spec.batch_policy import BatchChoice
 from mlx_spec.bench import machine_info
 from mlx_spec.compat import scored_vocab
 from mlx_spec.engine import BatchEngine, BatchRequest
@@ -75,11 +80,15 @@ def run_engine(
     temperature: float,
     k="auto",
     every_thread: bool = False,
+    join_share: float | None = None,
+    plain_when_full: bool = False,
 ):
     """Each client's first request queued at once, each next one when the client's last
     finished; step to the end. Returns (tokens generated, seconds, acceptance). With more
     than one request per client the engine gets a fresh prompt cache. `every_thread`: the
-    BLAS keeps all its threads for every pass (no `BlasThreads` plan)."""
+    BLAS keeps all its threads for every pass (no `BlasThreads` plan); `join_share`: the
+    policy's `min_share` for the run; `plain_when_full`: plain steps whenever the batch is
+    full."""
     finals = []
     drafter = None if mode == "plain" else mode
     if max(len(c) for c in clients) > 1:
@@ -105,6 +114,14 @@ def run_engine(
     if every_thread and plan is not None:
         engine.threads = None
         plan.reset()
+    policy, share = engine.policy, engine.policy.min_share
+    if join_share is not None:
+        policy.min_share = join_share
+    if plain_when_full:
+        full = len(clients)
+        policy.choose = lambda asks, own=policy.choose: (
+            BatchChoice(0, [(None, 0)] * len(asks)) if len(asks) >= full else own(asks)
+        )
     try:
         tic = time.perf_counter()
         for client in clients:
@@ -114,6 +131,8 @@ def run_engine(
         seconds = time.perf_counter() - tic
     finally:
         engine.threads = plan
+        policy.min_share = share
+        policy.__dict__.pop("choose", None)
     drafted = sum(s.drafted for s in finals)
     accepted = sum(s.accepted for s in finals)
     return sum(s.generated_tokens for s in finals), seconds, accepted / drafted if drafted else 0.0
@@ -201,6 +220,14 @@ def configurations(engine, model, batch, args) -> list:
                 ),
             )
         )
+    spec = [m for m in args.modes if m != "plain"]
+    run = lambda m, **kw: run_engine(  # noqa: E731
+        engine, batch, args.max_tokens, m, args.temperature, args.num_draft, **kw
+    )
+    if args.compare_joins:
+        out += [(f"{m}, every join", lambda m=m: run(m, join_share=0.0)) for m in spec]
+    if args.compare_plain_when_full:
+        out += [(f"{m}, plain when full", lambda m=m: run(m, plain_when_full=True)) for m in spec]
     out.append(("mlx-lm", lambda: run_peer(model, batch, args.max_tokens, args.temperature)))
     return out
 
@@ -243,6 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-threads",
         action="store_true",
         help="also run plain decoding with every BLAS thread on every pass (no per-width plan)",
+    )
+    p.add_argument(
+        "--compare-joins",
+        action="store_true",
+        help="also run each speculative mode with every row joining every model drafter",
+    )
+    p.add_argument(
+        "--compare-plain-when-full",
+        action="store_true",
+        help="also run each speculative mode with plain steps whenever the batch is full",
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -295,9 +332,14 @@ def main(argv: list[str] | None = None) -> int:
                 "concurrency": n, "mode": name, "tokens_per_sec": rate,
                 "over_mlx_lm": rate / peer, "acceptance": statistics.median(a for _, a in values),
             }  # fmt: skip
+            plain = ""
+            if "plain" in runs:  # each repeat over that repeat's plain run, the median
+                pairs = zip(values, runs["plain"], strict=True)
+                row["over_plain"] = statistics.median(a / b for (a, _), (b, _) in pairs)
+                plain = f"  {row['over_plain']:5.2f}x plain (paired)"
             results.append(row)
             print(
-                f"N={n:<2} {name:>12}: {rate:7.1f} tok/s  {rate / peer:5.2f}x mlx-lm  "
+                f"N={n:<2} {name:>12}: {rate:7.1f} tok/s  {rate / peer:5.2f}x mlx-lm{plain}  "
                 f"acceptance {row['acceptance']:.2f}",
                 flush=True,
             )

@@ -742,6 +742,35 @@ def test_a_row_that_skipped_its_drafter_joins_it_late(loaded, group):
     assert engine.cache is None and all(not d.rows for d in drafters.values())
 
 
+def test_a_speculative_step_is_charged_its_drafters_joins(loaded):
+    """The policy's cost of a speculative step runs from the last step settled and includes
+    the model drafters' joins since (a join slowed by 50 ms here): what drafting with a model
+    drafter costs a batch, beyond its passes. Plain steps are not charged for them."""
+    model, tok, draft, _ = loaded["llama"]
+    drafter = BatchDraftModel(draft)
+    engine = engine_for(model, with_eos(tok), {"draft-model": drafter}, max_batch=1)
+    events = []
+    join, observe = drafter.join, engine.policy.observe
+
+    def slow_join(*args):
+        join(*args)
+        time.sleep(0.05)
+        events.append("join")
+
+    def record(rows, outcomes, seconds, catch_up=0):
+        events.append((any(k for _, k in rows), seconds))
+        observe(rows, outcomes, seconds, catch_up)
+
+    drafter.join, engine.policy.observe = slow_join, record
+    engine.policy.hits[0] = [100.0] * engine.policy.max_draft  # drafting looks worth it
+    engine.policy.trials[0] = [100.0] * engine.policy.max_draft
+    requests = busy_requests(scored_vocab(model, tok), "draft-model", "auto", n=3)
+    run_all(engine, requests)
+    after = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "join"]
+    speculative = [seconds for spec, seconds in after if spec]
+    assert speculative and all(seconds >= 0.05 for seconds in speculative)
+
+
 def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
