@@ -505,7 +505,7 @@ class BatchEngine:
         batch."""
         staying = [i for i, row in enumerate(group.rows) if not (row.done or row.cancelled)]
         for i, row in enumerate(group.rows):
-            if i not in staying:
+            if row.done or row.cancelled:
                 if self.row_cache is not None and not row.cancelled:
                     hidden = mx.concatenate(row.hidden) if row.needs_hidden else None
                     one = group.cache.extract(i, self.model)
@@ -540,15 +540,12 @@ class BatchEngine:
         joined = []
         for arm in row.arms:
             name = self.names[arm]
-            drafter = self.drafters[name]
             state = row.states.pop(name, None)
-            if auto and state is None and drafter.feeds_prompt:
-                if not self.policy.join_pays(arm, size):
-                    row.skipped.append(arm)
-                    continue
-            tic = time.perf_counter()
-            drafter.join(row.id, row.tokens, self._columns(row, name, hidden), state, row.common)
-            self._join_spent += time.perf_counter() - tic
+            fresh = auto and state is None and self.drafters[name].feeds_prompt
+            if fresh and not self.policy.join_pays(arm, size):
+                row.skipped.append(arm)
+                continue
+            self._take_in(row, arm, hidden, state, row.common)
             joined.append(arm)
         row.arms = joined
         row.states = {}
@@ -577,18 +574,25 @@ class BatchEngine:
         if not late:
             return
         self._flush()
-        tic = time.perf_counter()
+        before = self._join_spent
         for row, arm in late:
             if row.done or row.cancelled:
                 continue
-            name = self.names[arm]
-            hidden = self._columns(row, name, self._all_hidden(row))
-            self.drafters[name].join(row.id, row.tokens, hidden, None, 0)
+            self._take_in(row, arm, self._all_hidden(row), None, 0)
             row.skipped.remove(arm)
             row.arms.append(arm)
-        spent = time.perf_counter() - tic  # prefill work: charged as the joins at a prefill
-        self._prefill_spent += spent
-        self._join_spent += spent
+        # Prefill work, as the joins at a prefill: no plain step's time, the next speculative
+        # step's (through `_join_spent`).
+        self._prefill_spent += self._join_spent - before
+
+    def _take_in(self, row: _Row, arm: int, hidden, state, common: int) -> None:
+        """Drafter `arm` takes the row in (from `state`, sharing `common` tokens with it); the
+        time is charged to the next speculative step."""
+        name = self.names[arm]
+        columns = self._columns(row, name, hidden)
+        tic = time.perf_counter()
+        self.drafters[name].join(row.id, row.tokens, columns, state, common)
+        self._join_spent += time.perf_counter() - tic
 
     def _extend(self, cache: BatchCache, rows: list[_Row]) -> None:
         """Rows (and their cache) join the batch after its rows."""
