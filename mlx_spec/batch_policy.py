@@ -19,11 +19,12 @@ depends on earlier steps only, so every row's output keeps the target's distribu
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
 whether the policy then drafts with it or not. So the policy also keeps, per batch size, the
 share of recent steps that drafted with each drafter, and a row joins a model drafter only
-where that share is at least `min_share` (or not measured yet, or as every `probe_join`-th
-row it turned away, so that the share stays measured): at a batch size where the policy
-decodes plainly, or where a group's rows draft with a cheaper drafter, rows skip the pass,
-and take the drafter in later if the batch comes to a size where the policy drafts with it
-(fewer rows: the end of a busy spell).
+where that share is at least `min_share` (at a size it has not seen lately: where its cost
+model, fitted at the sizes it has seen, predicts that drafting with it pays there; and as
+every `probe_join`-th row it turned away, so that the share stays measured): at a batch
+size where the policy decodes plainly, or where a group's rows draft with a cheaper drafter,
+rows skip the pass, and take the drafter in later if the batch comes to a size where the
+policy drafts with it (fewer rows: the end of a busy spell).
 """
 
 from __future__ import annotations
@@ -178,6 +179,11 @@ class BatchDraftPolicy:
         min_share, probe_join, use_decay: `join_pays` (see the module): the share of steps
             (decayed by `use_decay` per step of the same batch size) below which a joining
             row skips a model drafter, and every how many skipped rows one joins anyway.
+        recheck: while plain decoding wins, the rows' asks unchanged (the same rows, drafters
+            and drafts to be had) and no probe due, the full comparison runs every this many
+            steps only (the others repeat its answer): speculation grows no likelier as its
+            catch-up piles up and the rows' budgets shrink, and weighing every K of every
+            drafter each step costs the host time a CPU's passes share.
     """
 
     def __init__(
@@ -197,6 +203,7 @@ class BatchDraftPolicy:
         min_share: float = 0.25,
         probe_join: int = 8,
         use_decay: float = 0.95,
+        recheck: int = 4,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -211,6 +218,8 @@ class BatchDraftPolicy:
         self._since_spec = 0
         self._probe_every = probe_min
         self._steps = 0  # speculative steps chosen for their rate
+        self.recheck = recheck
+        self._quiet: list | None = None  # [the asks' signature, plain steps it still answers]
         self.min_share, self.probe_join, self.use_decay = min_share, probe_join, use_decay
         # Per batch size: [decayed steps, decayed steps drafting with each arm].
         self._use: dict[int, list] = {}
@@ -307,6 +316,13 @@ class BatchDraftPolicy:
     # --- choice ------------------------------------------------------------------------------
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
+        signature = self._signature(asks)
+        quiet = self._quiet
+        if quiet is not None and quiet[0] == signature and quiet[1] > 0:
+            if self._since_spec < self._probe_every:  # no probe due: the last answer stands
+                quiet[1] -= 1
+                return BatchChoice(0, [(None, 0)] * len(asks))
+        self._quiet = None
         accept = self._gains()
         plain_rows, plain_tokens = self._plan(asks, 0, accept)
         plain_rate = self._rate(asks, plain_rows, plain_tokens)
@@ -353,7 +369,18 @@ class BatchDraftPolicy:
             # than a guess): the probe measures it first.
             probe = unmeasured if unmeasured is not None else best
             return self._choice(asks, probe[1], probe[2], probe=True, only=probe[3])
+        if signature is not None:
+            self._quiet = [signature, self.recheck - 1]
         return BatchChoice(0, plain_rows)
+
+    @staticmethod
+    def _signature(asks: list[RowAsk]) -> tuple | None:
+        """What of the rows' asks can make speculation newly worth it: their drafters and the
+        drafts each can have (an n-gram lookup that found a match); None where a row has a
+        fixed k (it drafts whatever the batch's K)."""
+        if any(ask.fixed is not None for ask in asks):
+            return None
+        return tuple((tuple(a.arms), a.limit > 0, tuple(a.available)) for a in asks)
 
     def _untried(self, asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int | None:
         """Of the drafters rows may choose between (a group), the least tried one that the
@@ -396,9 +423,13 @@ class BatchDraftPolicy:
     def join_pays(self, arm: int, rows: int, probe: bool = True) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt:
         the policy drafted with it in at least `min_share` of the recent steps of that many
-        rows (of at least a few), or (`probe`) every `probe_join`-th row it would turn away."""
+        rows (where it saw a few; else where `_predicts` says drafting with it pays there), or
+        (`probe`) every `probe_join`-th row it would turn away. A size the batch passes
+        through on its way down (8 rows, then 7 as a row ends) is thus priced, not joined
+        blindly: a late join feeds the drafter a whole history."""
         steps, used = self._use.get(rows, (0.0, None))
-        if steps < 4.0 or used[arm] >= self.min_share * steps:
+        seen = steps >= 4.0
+        if (used[arm] >= self.min_share * steps) if seen else self._predicts(arm, rows):
             return True
         if not probe:
             return False
@@ -407,6 +438,19 @@ class BatchDraftPolicy:
             self._turned_away[arm] = 0
             return True
         return False
+
+    def _predicts(self, arm: int, rows: int) -> bool:
+        """Whether the cost model predicts that drafting with `arm` alone beats plain
+        decoding at `rows` rows (a batch size whose steps the policy has not seen lately: its
+        costs come from the sizes it has seen); True while the arm's steps are unmeasured."""
+        if self._plain_seen < 2 or (arm,) not in self.costs.fits:
+            return True
+        gains = self._gains()[arm]
+        plain = self.costs.seconds(rows, 0, ())
+        best = max(
+            gains[k] / self.costs.seconds(rows, k, (arm,)) for k in range(1, self.max_draft + 1)
+        )
+        return best * plain > 1 + self.margin
 
     def _count_use(self, rows: list[tuple[int | None, int]]) -> None:
         use = self._use.setdefault(len(rows), [0.0, [0.0] * len(self.arms)])
@@ -430,7 +474,9 @@ class BatchDraftPolicy:
         accepted); it took `seconds`, `catch_up` tokens of it catching up (`BatchChoice`)."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
         self._count_use(rows)
-        if not any(k for _, k in rows):
+        if any(k for _, k in rows):
+            self._quiet = None  # acceptance and costs of speculation moved
+        else:
             self._since_spec += 1
             self._plain_seen += 1
         self.costs.observe(*self.shape(drafted), seconds, catch_up)

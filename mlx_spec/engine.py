@@ -531,8 +531,8 @@ class BatchEngine:
 
     def _join_drafters(self, row: _Row, size: int) -> None:
         """The row's drafters take it in: its sequence, its features, their saved states. A
-        model drafter with no saved state for it, which would feed it the whole prompt, is
-        left out where the policy has not been drafting with it at this batch size
+        model drafter that would be fed most of the prompt (no saved state covers half of it)
+        is left out where the policy has not been drafting with it at this batch size
         (`BatchDraftPolicy.join_pays`; rows with a fixed k always join): the row decodes
         without it until it joins late (`_join_late`)."""
         hidden = self._all_hidden(row)
@@ -541,7 +541,10 @@ class BatchEngine:
         for arm in row.arms:
             name = self.names[arm]
             state = row.states.pop(name, None)
-            fresh = auto and state is None and self.drafters[name].feeds_prompt
+            # Fresh: it would feed the drafter most of the prompt (no saved state, or one
+            # that shares little with it: another prompt's that began alike).
+            fresh = state is None or 2 * row.common < len(row.tokens)
+            fresh = fresh and auto and self.drafters[name].feeds_prompt
             if fresh and not self.policy.join_pays(arm, size):
                 row.skipped.append(arm)
                 continue

@@ -727,6 +727,58 @@ def test_a_row_joins_a_model_drafter_only_where_the_policy_drafts_with_it():
     assert policy.join_pays(1, 2, probe=False)
 
 
+def test_a_size_the_policy_has_not_seen_is_priced_by_its_cost_model():
+    """At a batch size without steps of its own (7 rows, on the way down from 8), whether a
+    row joins the draft model follows the cost model fitted at the sizes seen: where verifying
+    costs as much as a plain step per draft (compute-bound) it does not join, and a late check
+    does not take it in; where verifying is nearly free it joins. A drafter never measured
+    joins (its steps must be measured)."""
+    assert BatchDraftPolicy(["draft"]).join_pays(0, 7, probe=False)
+    rng = random.Random(0)
+    for per_draft, pays in [(10e-3, False), (0.2e-3, True)]:
+        policy = BatchDraftPolicy(["draft"])
+        for _ in range(20):
+            policy.observe([(None, 0)] * 8, [(0, 0)] * 8, 10e-3)
+            policy.observe([(None, 0)] * 1, [(0, 0)] * 1, 2e-3)
+        for k in [1, 2, 3] * 10:
+            outcomes = [(k, sum(rng.random() < 0.7 for _ in range(k))) for _ in range(8)]
+            policy.observe([(0, k)] * 8, outcomes, 10e-3 + per_draft * k)
+        assert 7 not in policy._use
+        assert policy.join_pays(0, 7, probe=False) is pays
+
+
+def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():
+    """While plain decoding wins, rows unchanged, the full comparison runs on every
+    `recheck`-th step only; a change in what rows can draft (a lookup that found a match)
+    runs it at once, and probes still come on schedule."""
+    policy = BatchDraftPolicy(["ngram"], recheck=4)
+    drive(policy, rows=8, accept=0.8, token_cost=1.0, steps=200)  # compute-bound: plain
+    full = []
+    policy._gains = lambda own=policy._gains: full.append(1) or own()
+    asks = [RowAsk([0], None, 8, [0]) for _ in range(8)]
+    policy._since_spec, policy._probe_every = 0, 12
+    ks, evaluated = [], []
+    for step in range(40):
+        if step == 21:
+            asks[3] = RowAsk([0], None, 8, [None])
+        before = len(full)
+        choice = policy.choose(asks)
+        ks.append(choice.num_draft)
+        evaluated.append(len(full) > before)
+        outcomes = [(k, 0) for _, k in choice.rows]
+        policy.observe(choice.rows, outcomes, 1e-3 * (1 + 8 * (1 + choice.num_draft)))
+    probes = [i for i, k in enumerate(ks) if k]
+    assert len(ks) - len(probes) > 30 and probes
+    assert evaluated[21] and all(evaluated[i] for i in probes)
+    assert 40 // 4 <= sum(evaluated) <= 40 // 4 + 2 * len(probes) + 2
+    policy.recheck = 1
+    full.clear()
+    for _ in range(10):
+        choice = policy.choose(asks)
+        policy.observe(choice.rows, [(k, 0) for _, k in choice.rows], 0.01)
+    assert len(full) >= 9  # (the first may still repeat the answer it held)
+
+
 @pytest.mark.parametrize("group", [False, True])
 def test_a_row_that_skipped_its_drafter_joins_it_late(loaded, group):
     """Rows joining a batch of three while the policy has not drafted with the draft model at
