@@ -221,8 +221,10 @@ class BatchDraftPolicy:
         self.recheck = recheck
         self._quiet: list | None = None  # [the asks' signature, plain steps it still answers]
         self.min_share, self.probe_join, self.use_decay = min_share, probe_join, use_decay
-        # Per batch size: [decayed steps, decayed steps drafting with each arm].
+        # Per batch size: per arm, [decayed steps where a row could draft with it, decayed
+        # steps drafting with it].
         self._use: dict[int, list] = {}
+        self._offered: set[int] | None = None  # the arms the last choice's rows had (None: all)
         self._turned_away = [0] * len(self.arms)  # rows that skipped each arm since one joined
 
     # --- estimates ---------------------------------------------------------------------------
@@ -316,6 +318,7 @@ class BatchDraftPolicy:
     # --- choice ------------------------------------------------------------------------------
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
+        self._offered = {arm for ask in asks for arm in ask.arms}
         signature = self._signature(asks)
         quiet = self._quiet
         if quiet is not None and quiet[0] == signature and quiet[1] > 0:
@@ -427,9 +430,9 @@ class BatchDraftPolicy:
         (`probe`) every `probe_join`-th row it would turn away. A size the batch passes
         through on its way down (8 rows, then 7 as a row ends) is thus priced, not joined
         blindly: a late join feeds the drafter a whole history."""
-        steps, used = self._use.get(rows, (0.0, None))
+        steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
         seen = steps >= 4.0
-        if (used[arm] >= self.min_share * steps) if seen else self._predicts(arm, rows):
+        if (used >= self.min_share * steps) if seen else self._predicts(arm, rows):
             return True
         if not probe:
             return False
@@ -453,10 +456,15 @@ class BatchDraftPolicy:
         return best * plain > 1 + self.margin
 
     def _count_use(self, rows: list[tuple[int | None, int]]) -> None:
-        use = self._use.setdefault(len(rows), [0.0, [0.0] * len(self.arms)])
+        """A step of len(rows) rows counts for each arm one of its rows could draft with
+        (a step where no row had it, the rows having left it out, says nothing of it)."""
+        use = self._use.setdefault(len(rows), [[0.0, 0.0] for _ in self.arms])
         drafting = {arm for arm, k in rows if arm is not None and k > 0}
-        use[0] = self.use_decay * use[0] + 1.0
-        use[1] = [self.use_decay * u + (a in drafting) for a, u in enumerate(use[1])]
+        offered = range(len(self.arms)) if self._offered is None else self._offered
+        for arm in offered:
+            steps, used = use[arm]
+            use[arm] = [self.use_decay * steps + 1.0, self.use_decay * used + (arm in drafting)]
+        self._offered = None
 
     def _next_probe(self, rate: float, plain_rate: float) -> int:
         """Steps before the next probe: twice the last interval, at least enough that a

@@ -287,6 +287,7 @@ class BatchEngine:
         # speculative step, as a cost of drafting with them (a plain step is charged none).
         self._join_spent = 0.0
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
+        self._size_seen = 0.0  # the batch's size, averaged over its recent steps
         # Set to a list to record where each step's time goes (`StepTrace`).
         self.trace: list[StepTrace] | None = None
 
@@ -511,7 +512,7 @@ class BatchEngine:
                     one = group.cache.extract(i, self.model)
                     self.row_cache.put(row.tokens, one, {}, hidden, row.features)
                 continue
-            self._join_drafters(row, len(self.active) + len(staying))
+            self._join_drafters(row, self._size_for(len(self.active) + len(staying)))
         if not staying:
             return
         if len(staying) < len(group.rows):
@@ -526,8 +527,16 @@ class BatchEngine:
             cache.extend(row.prefill)
         for row in rows:
             row.prefill, row.first_pending = None, True
-            self._join_drafters(row, len(self.active) + len(rows))
+            self._join_drafters(row, self._size_for(len(self.active) + len(rows)))
         self._extend(cache, rows)
+
+    def _size_for(self, size: int) -> int:
+        """The batch size a joining row is judged at (`_join_drafters`): the batch's size
+        once it joined, or the size it has been running at lately where that is larger.
+        Under steady load a batch refills one request at a time as rows end (each client
+        sends its next request when its last one finished): a row joining a batch of 1 or 2
+        then runs most of its life among N."""
+        return max(size, min(self.max_batch, int(self._size_seen + 0.5)))
 
     def _join_drafters(self, row: _Row, size: int) -> None:
         """The row's drafters take it in: its sequence, its features, their saved states. A
@@ -565,9 +574,10 @@ class BatchEngine:
 
     def _join_late(self) -> None:
         """Rows that left out a model drafter at joining take it in now where the policy has
-        come to draft with it at the batch's size (the queued plain step settled first, so
+        come to draft with it at the batch's size (`_size_for`: once the batch has run
+        smaller for a while, not as it refills) (the queued plain step settled first, so
         that each row's sequence and features are whole)."""
-        size = len(self.active)
+        size = self._size_for(len(self.active))  # not while a busy batch refills
         late = [
             (row, arm)
             for row in self.active
@@ -625,6 +635,7 @@ class BatchEngine:
         if not self.active:
             return
         rows = list(self.active)
+        self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
         choice = self._shared(self.policy.choose([self._ask(r) for r in rows]))
         plain = not any(k for _, k in choice.rows)
         ids = [r.id for r in rows]

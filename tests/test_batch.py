@@ -695,9 +695,11 @@ def test_batch_policy_leaves_a_row_undrafted_rather_than_pay_a_drafter_for_it():
 def always_draft(engine: BatchEngine, arm: int, k: int = 2) -> None:
     """Replace the policy's choice by drafting k with `arm` (else a row's first drafter)
     wherever a row can draft, so that a test's steps do not hang on measured timings (the
-    policy still observes every step)."""
+    policy still observes every step, and knows which drafters the rows had, as after its
+    own choice)."""
 
     def choose(asks):
+        engine.policy._offered = {a for ask in asks for a in ask.arms}
         rows = []
         for ask in asks:
             pick = arm if arm in ask.arms else (ask.arms[0] if ask.arms else None)
@@ -809,6 +811,35 @@ def test_a_row_that_skipped_its_drafter_joins_it_late(loaded, group):
     assert short.drafter_rounds.get("draft-model", 0) == 0
     assert longest.drafter_rounds.get("draft-model", 0) > 0
     assert engine.cache is None and all(not d.rows for d in drafters.values())
+
+
+def test_a_row_refilling_a_busy_batch_is_judged_at_the_batch_s_usual_size(loaded):
+    """The draft model drafts at B = 1 and never at B = 2 or 3. A row that finds the batch empty
+    right after it ran three rows (a busy batch refilling one request at a time) is judged at
+    3: it leaves the draft model out, and takes it in late once the batch has run at one row
+    for a while; the same row on a batch that was idle joins it at once. Its tokens equal
+    plain single-stream decoding either way."""
+    model, tok, draft, _ = loaded["llama"]
+    tok = with_eos(tok)
+    vocab = scored_vocab(model, tok)
+    req = busy_requests(vocab, "draft-model", "auto")[2]  # 60 tokens
+    plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
+    rounds = []
+    for busy in (3.0, 0.0):
+        engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=3)
+        policy = engine.policy
+        policy.probe_join = 10**6
+        for _ in range(20):
+            for rows in (2, 3):
+                policy.observe([(None, 0)] * rows, [(0, 0)] * rows, 0.01)
+            policy.observe([(0, 2)], [(2, 2)], 0.01)
+        always_draft(engine, 0)
+        engine._size_seen = busy
+        ((tokens, final),) = run_all(engine, [req])
+        assert tokens == plain
+        rounds.append(final.stats.drafter_rounds.get("draft-model", 0))
+    refilling, idle = rounds
+    assert 0 < refilling < idle - 5, rounds
 
 
 def test_a_speculative_step_is_charged_its_drafters_joins(loaded):
