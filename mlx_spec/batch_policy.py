@@ -59,6 +59,52 @@ class RowAsk:
         return self.backlog[self.arms.index(arm)] if self.backlog else 0
 
 
+class _Merged:
+    """A step's asks with the rows that ask alike merged (a batch's rows mostly do): a plan
+    is one (arm, k) per distinct ask, made once for all its rows, and spelled out per row
+    only for the step chosen."""
+
+    def __init__(self, asks: list[RowAsk]):
+        self.asks, self.size = asks, len(asks)
+        self.distinct: list[RowAsk] = []
+        self.counts: list[int] = []
+        self.widest: list[dict[int, int]] = []  # per distinct ask: arm -> its longest backlog
+        self.of_row: list[int] = []
+        index: dict[tuple, int] = {}
+        for ask in asks:
+            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available))
+            i = index.setdefault(key, len(self.distinct))
+            if i == len(self.distinct):
+                self.distinct.append(ask)
+                self.counts.append(0)
+                self.widest.append({})
+            self.counts[i] += 1
+            widest = self.widest[i]
+            for arm, backlog in zip(ask.arms, ask.backlog, strict=False):
+                widest[arm] = max(widest.get(arm, 0), backlog)
+            self.of_row.append(i)
+
+    def rows(self, plan: list) -> list[tuple[int | None, int]]:
+        return [plan[i] for i in self.of_row]
+
+    def shape(self, plan: list) -> tuple[int, int, tuple]:
+        """As `BatchDraftPolicy.shape` of the plan's rows."""
+        big_k = max((k for _, k in plan), default=0)
+        arms = tuple(sorted({a for a, k in plan if a is not None and k > 0}))
+        return self.size, big_k, arms
+
+    def catch_up(self, plan: list) -> int:
+        """As `BatchDraftPolicy.catch_up` of the plan's rows."""
+        big_k = max((k for _, k in plan), default=0)
+        rows: dict[int, int] = {}
+        widest: dict[int, int] = {}
+        for (arm, k), count, backlogs in zip(plan, self.counts, self.widest, strict=True):
+            if arm is not None and k > 0:
+                rows[arm] = rows.get(arm, 0) + count
+                widest[arm] = max(widest.get(arm, 0), backlogs.get(arm, 0))
+        return sum(n * max(0, widest[arm] - big_k) for arm, n in rows.items())
+
+
 class _Costs:
     """Seconds of a step. A plain step of B rows: a running average per B (the nearest B
     stands in for one not seen). A step where a set of drafters drafts up to K per row: the
@@ -184,6 +230,9 @@ class BatchDraftPolicy:
             steps only (the others repeat its answer): speculation grows no likelier as its
             catch-up piles up and the rows' budgets shrink, and weighing every K of every
             drafter each step costs the host time a CPU's passes share.
+
+    The search over K stops past best + 1 at a K whose best plan promises under
+    `stop_below` (0.85) of the best rate, and never goes beyond what a row can draft.
     """
 
     def __init__(
@@ -219,6 +268,7 @@ class BatchDraftPolicy:
         self._probe_every = probe_min
         self._steps = 0  # speculative steps chosen for their rate
         self.recheck = recheck
+        self.stop_below = 0.85
         self._quiet: list | None = None  # [the asks' signature, plain steps it still answers]
         self.min_share, self.probe_join, self.use_decay = min_share, probe_join, use_decay
         # Per batch size: per arm, [decayed steps where a row could draft with it, decayed
@@ -243,7 +293,7 @@ class BatchDraftPolicy:
 
     def _plan(
         self,
-        asks: list[RowAsk],
+        asks: list[RowAsk] | _Merged,
         big_k: int,
         gains,
         force: int | None = None,
@@ -254,15 +304,18 @@ class BatchDraftPolicy:
         step where it alone drafts (`force`: that arm, where the row may use it and it has
         drafts; `only`: that arm or none, where the row may use it). `gains[arm][k]`: E(k)
         of each arm."""
-        rows, tokens, memo = [], 0.0, {}
-        for ask in asks:
-            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available))
-            if key not in memo:
-                memo[key] = self._row_plan(ask, big_k, gains, len(asks), force, only)
-            choice, gain = memo[key]
-            rows.append(choice)
-            tokens += gain
-        return rows, tokens
+        merged = asks if isinstance(asks, _Merged) else _Merged(asks)
+        plan, tokens = self._merged_plan(merged, big_k, gains, force, only)
+        return merged.rows(plan), tokens
+
+    def _merged_plan(self, merged: _Merged, big_k: int, gains, force=None, only=None):
+        """`_plan` per distinct ask: (one (arm, k) per distinct ask, tokens)."""
+        plan, tokens = [], 0.0
+        for ask, count in zip(merged.distinct, merged.counts, strict=True):
+            choice, gain = self._row_plan(ask, big_k, gains, merged.size, force, only)
+            plan.append(choice)
+            tokens += gain * count
+        return plan, tokens
 
     def _row_plan(
         self,
@@ -337,33 +390,41 @@ class BatchDraftPolicy:
         # alone is a plan too; so is a group drafter no step has used alone yet.
         group = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms}
         untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
+        merged = _Merged(asks)
         best, plans, unmeasured = None, {}, None
-        for big_k in range(1, self.max_draft + 1):
+        for big_k in range(1, self._widest(merged.distinct) + 1):
             variants = [None, *untried]
             for only in variants:  # grows while it runs
-                rows, tokens = self._plan(asks, big_k, accept, only=only)
-                shape = self.shape(rows)
+                plan, tokens = self._merged_plan(merged, big_k, accept, only=only)
+                shape = merged.shape(plan)
                 if only is None and len(shape[2]) > 1:
                     variants += [arm for arm in shape[2] if arm not in variants]
-                spread = self.catch_up(asks, rows) / self.horizon
+                spread = merged.catch_up(plan) / self.horizon
                 rate = tokens / self.costs.seconds(*shape, spread)
                 if big_k not in plans or rate > plans[big_k][2]:
-                    plans[big_k] = (rows, tokens, rate, only)
+                    plans[big_k] = (plan, shape, rate, only)
                 if best is None or rate > best[0]:
-                    best = (rate, big_k, rows, only)
+                    best = (rate, big_k, plan, only)
                 if shape[2] not in self.costs.fits and (unmeasured is None or rate > unmeasured[0]):
-                    unmeasured = (rate, big_k, rows, only)
+                    unmeasured = (rate, big_k, plan, only)
+            # Past the best K (and the one above it, which exploring may run), a K whose
+            # best plan falls well behind ends the search: tokens grow ever slower with K,
+            # a step's cost no slower (weighing every K of every drafter each step costs
+            # a CPU's batch a few percent of its time).
+            if big_k >= best[1] + 2 and plans[big_k][2] < self.stop_below * best[0]:
+                break
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
-                arm = self._untried(asks, best[2])
+                arm = self._untried(asks, merged.rows(best[2]))
                 if arm is not None and (self._steps // self.explore_every) % 2:
-                    return self._choice(asks, best[1], self._plan(asks, best[1], accept, arm)[0])
+                    return self._choice(asks, best[1], self._plan(merged, best[1], accept, arm)[0])
                 big_k = self._explore(best[1], plans)
-                return self._choice(asks, big_k, plans[big_k][0], only=plans[big_k][3])
-            return self._choice(asks, best[1], best[2], only=best[3])
+                rows = merged.rows(plans[big_k][0])
+                return self._choice(asks, big_k, rows, only=plans[big_k][3])
+            return self._choice(asks, best[1], merged.rows(best[2]), only=best[3])
         self._speculating = False
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
@@ -371,7 +432,8 @@ class BatchDraftPolicy:
             # A set of drafters no step has used is priced by the prior alone (no better
             # than a guess): the probe measures it first.
             probe = unmeasured if unmeasured is not None else best
-            return self._choice(asks, probe[1], probe[2], probe=True, only=probe[3])
+            rows = merged.rows(probe[2])
+            return self._choice(asks, probe[1], rows, probe=True, only=probe[3])
         if signature is not None:
             self._quiet = [signature, self.recheck - 1]
         return BatchChoice(0, plain_rows)
@@ -384,6 +446,16 @@ class BatchDraftPolicy:
         if any(ask.fixed is not None for ask in asks):
             return None
         return tuple((tuple(a.arms), a.limit > 0, tuple(a.available)) for a in asks)
+
+    def _widest(self, asks: list[RowAsk]) -> int:
+        """The largest K that changes a plan (at least 1): beyond what any row can draft
+        (its budget, its lookup's match), every K plans the same step."""
+        most = 1
+        for ask in asks:
+            if ask.fixed is None:
+                for avail in ask.available:
+                    most = max(most, min(ask.limit, self.max_draft if avail is None else avail))
+        return min(most, self.max_draft)
 
     def _untried(self, asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int | None:
         """Of the drafters rows may choose between (a group), the least tried one that the
@@ -403,13 +475,13 @@ class BatchDraftPolicy:
         equals). The line alone can price a width wrongly for good: fitted to K = 2 .. 4, it
         made K = 1 look dear at B = 8 on a 2-core CPU, where a step of K = 1 costs far less
         than the line says, so K = 1 never ran and never corrected it. `plans`: each K's
-        (rows, tokens), as `choose` planned them."""
-        candidates = [k for k in range(1, min(self.max_draft, best + 1) + 1) if k != best]
+        (plan, shape, rate, only), as `choose` planned them."""
+        candidates = [k for k in range(1, best + 2) if k != best and k in plans]
         if not candidates:
             return best
 
         def known(big_k: int) -> tuple[float, int]:
-            b, k, arms = self.shape(plans[big_k][0])
+            b, k, arms = plans[big_k][1]
             cell = self.costs.cells.get((arms, b, k))
             return (0.0 if cell is None else cell[1], abs(big_k - best))
 

@@ -749,6 +749,42 @@ def test_a_size_the_policy_has_not_seen_is_priced_by_its_cost_model():
         assert policy.join_pays(0, 7, probe=False) is pays
 
 
+@pytest.mark.parametrize("rows, accept, token_cost", [(8, 0.8, 0.3), (4, 0.6, 0.05), (1, 0.9, 0.0)])
+def test_the_policy_stops_its_search_past_the_best_k_without_changing_its_choice(
+    rows, accept, token_cost
+):
+    """Planning stops at a K well behind the best (past best + 1) and never plans beyond
+    what any row can draft (lookups with matches of 0 to 6 tokens, a draft model): with a
+    step's cost growing with K, every choice equals the one of a search over every K, with
+    fewer plans made (a cap on K too low fails it)."""
+    import copy
+
+    policy, rng = BatchDraftPolicy(["ngram", "draft"]), random.Random(3)
+    planned = {"full": 0, "cut": 0}
+    for step in range(150):
+        asks = [
+            RowAsk([0, 1], None, 8, [rng.choice([0, 1, 3, 6]), None], [0, 0]) for _ in range(rows)
+        ]
+        full = copy.deepcopy(policy)
+        full.stop_below = 0.0
+        for name, p in (("full", full), ("cut", policy)):
+            plan = p._merged_plan
+            p._merged_plan = lambda *a, plan=plan, name=name, **k: (
+                planned.__setitem__(name, planned[name] + 1) or plan(*a, **k)
+            )
+        wide, choice = full.choose(asks), policy.choose(asks)
+        del policy._merged_plan
+        assert (wide.num_draft, wide.rows, wide.only, wide.probe) == (
+            choice.num_draft, choice.rows, choice.only, choice.probe,
+        ), step  # fmt: skip
+        outcomes = []
+        for _, k in choice.rows:
+            outcomes.append((k, sum(1 for _ in range(k) if rng.random() < accept)))
+        width = 1 + choice.num_draft
+        policy.observe(choice.rows, outcomes, 1e-3 * (1 + token_cost * rows * width + 0.2 * width))
+    assert planned["cut"] < planned["full"]
+
+
 def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():
     """While plain decoding wins, rows unchanged, the full comparison runs on every
     `recheck`-th step only; a change in what rows can draft (a lookup that found a match)
