@@ -185,6 +185,11 @@ def print_trace(trace: list, wall: float) -> None:
         f"{kind} {s / wall:4.0%} ({n / s if s else 0:.0f} tok/s)" for kind, (s, n) in totals.items()
     )
     print(f"      wall {wall:.2f} s: {cells}  other (prefill, joins) {rest / wall:4.0%}")
+    if trace:  # rows out of step attend over the longest row's columns, and over holes
+        columns = statistics.mean(s.columns for s in trace)
+        held = statistics.mean(s.held for s in trace)
+        print(f"      the target's cache after a step: {columns:.0f} columns in use, rows "
+              f"holding {held:.0f} tokens on average")  # fmt: skip
     shapes: dict[tuple, list] = {}
     for step in trace:
         if not step.catch_up:

@@ -261,6 +261,11 @@ class BatchCache:
         return list(self._any.lengths)
 
     @property
+    def columns(self) -> int:
+        """Columns in use (the widest group's): what every row's next pass attends over."""
+        return max(group.idx for group in self.groups.values())
+
+    @property
     def _any(self) -> _Positions:
         return next(iter(self.groups.values()))
 

@@ -59,6 +59,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 ALL = "all"
+# Seconds a batch may stand empty and still count as refilling (`BatchEngine._size_for`): a
+# client's next request comes within one round trip; a second is a new spell.
+IDLE_RESET = 1.0
 
 
 @dataclass
@@ -143,7 +146,10 @@ class StepTrace:
     `verify_build`: building the verifying pass while the drafts finish; `verify`: waiting
     for it; `host`: reading the outcome, the rows' bookkeeping and the policy (the device idle
     again). A plain step (K = 0; each pass is queued before the last is read) is timed from
-    the last step read to its own, all in `verify`."""
+    the last step read to its own, all in `verify`. `columns`: the target cache's columns
+    in use after the step (what a pass attends over, per row), `held`: the tokens its rows
+    hold, on average (rows out of step, or the empty columns of rejected drafts, make
+    `columns` exceed `held`)."""
 
     rows: int
     num_draft: int
@@ -154,6 +160,8 @@ class StepTrace:
     verify_build: float
     verify: float
     host: float
+    columns: int = 0
+    held: float = 0.0
 
 
 class _Features:
@@ -288,6 +296,7 @@ class BatchEngine:
         self._join_spent = 0.0
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
         self._size_seen = 0.0  # the batch's size, averaged over its recent steps
+        self._last_decode = 0.0  # when the last decoding step started
         # Set to a list to record where each step's time goes (`StepTrace`).
         self.trace: list[StepTrace] | None = None
 
@@ -535,7 +544,10 @@ class BatchEngine:
         once it joined, or the size it has been running at lately where that is larger.
         Under steady load a batch refills one request at a time as rows end (each client
         sends its next request when its last one finished): a row joining a batch of 1 or 2
-        then runs most of its life among N."""
+        then runs most of its life among N. A batch that stood empty for longer than
+        `IDLE_RESET` seconds starts afresh (a request after a busy spell is over)."""
+        if not self.active and time.perf_counter() - self._last_decode > IDLE_RESET:
+            self._size_seen = 0.0
         return max(size, min(self.max_batch, int(self._size_seen + 0.5)))
 
     def _join_drafters(self, row: _Row, size: int) -> None:
@@ -636,6 +648,7 @@ class BatchEngine:
             return
         rows = list(self.active)
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
+        self._last_decode = time.perf_counter()
         choice = self._shared(self.policy.choose([self._ask(r) for r in rows]))
         plain = not any(k for _, k in choice.rows)
         ids = [r.id for r in rows]
@@ -735,7 +748,8 @@ class BatchEngine:
             self._join_spent = 0.0
             if self.trace is not None:  # a pipelined step: its time is its pass's
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
-                self.trace.append(StepTrace(len(ahead.ids), 0, 0, emitted, *spans))
+                step = StepTrace(len(ahead.ids), 0, 0, emitted, *spans, *self._widths())
+                self.trace.append(step)
         self._last_settle, self._prefill_spent = now, 0.0
 
     def _flush(self, choice=None) -> None:
@@ -800,7 +814,15 @@ class BatchEngine:
             stamps = [tic, built, queued, waited, read, self._last_settle]
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             tokens = sum(1 + n for _, n in outcomes)
-            self.trace.append(StepTrace(len(rows), k, choice.catch_up, tokens, *spans))
+            widths = self._widths()
+            self.trace.append(StepTrace(len(rows), k, choice.catch_up, tokens, *spans, *widths))
+
+    def _widths(self) -> tuple[int, float]:
+        """(columns in use, mean tokens held per row) of the target's cache (`StepTrace`)."""
+        if self.cache is None:
+            return 0, 0.0
+        lengths = self.cache.lengths
+        return self.cache.columns, sum(lengths) / max(len(lengths), 1)
 
     def _draft(self, rows: list[_Row], plan):
         """The step's drafts: `[B, K]` ids, `[B, K, V]` distributions (None: every draft

@@ -16,7 +16,7 @@ from mlx_spec.batch_cache import BatchCache, batchable
 from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
 from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
 from mlx_spec.compat import scored_vocab
-from mlx_spec.engine import BatchEngine, BatchRequest
+from mlx_spec.engine import IDLE_RESET, BatchEngine, BatchRequest
 from mlx_spec.prompt_cache import RowCache
 from mlx_spec.sampling import SamplingConfig
 
@@ -160,7 +160,8 @@ def test_engine_trace_records_each_step(loaded):
     """With `trace` set, every speculative step leaves a `StepTrace`: its rows, its drafts (at
     most the requests' k), the tokens it emitted and five spans that are never negative and
     fit in the run's time; the drafts the rows report fit in what the steps drafted. Plain
-    steps (timed ones: the pipeline's) leave theirs with K = 0 and their time in `verify`."""
+    steps (timed ones: the pipeline's) leave theirs with K = 0 and their time in `verify`.
+    Each records the target cache's columns in use and the tokens its rows hold."""
     model, tok, draft, _ = loaded["llama"]
     engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
     engine.trace = []
@@ -181,6 +182,10 @@ def test_engine_trace_records_each_step(loaded):
     assert all(s >= 0 for step in spans for s in step)
     assert sum(map(sum, spans)) + sum(t.verify for t in plain) < seconds
     assert sum(t.tokens for t in engine.trace) < sum(len(tokens) for tokens, _ in results)
+    # The cache's columns hold at least its rows' tokens (a row's, on average), and more
+    # where rows are out of step or rejected drafts left columns empty.
+    assert all(0 < t.held <= t.columns for t in engine.trace)
+    assert any(t.columns > t.held for t in engine.trace)
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])
@@ -853,8 +858,8 @@ def test_a_row_refilling_a_busy_batch_is_judged_at_the_batch_s_usual_size(loaded
     """The draft model drafts at B = 1 and never at B = 2 or 3. A row that finds the batch empty
     right after it ran three rows (a busy batch refilling one request at a time) is judged at
     3: it leaves the draft model out, and takes it in late once the batch has run at one row
-    for a while; the same row on a batch that was idle joins it at once. Its tokens equal
-    plain single-stream decoding either way."""
+    for a while; the same row on a batch that was idle (new, or empty for longer than
+    IDLE_RESET) joins it at once. Its tokens equal plain single-stream decoding always."""
     model, tok, draft, _ = loaded["llama"]
     tok = with_eos(tok)
     vocab = scored_vocab(model, tok)
@@ -870,12 +875,17 @@ def test_a_row_refilling_a_busy_batch_is_judged_at_the_batch_s_usual_size(loaded
                 policy.observe([(None, 0)] * rows, [(0, 0)] * rows, 0.01)
             policy.observe([(0, 2)], [(2, 2)], 0.01)
         always_draft(engine, 0)
-        engine._size_seen = busy
+        engine._size_seen, engine._last_decode = busy, time.perf_counter()
         ((tokens, final),) = run_all(engine, [req])
         assert tokens == plain
         rounds.append(final.stats.drafter_rounds.get("draft-model", 0))
     refilling, idle = rounds
     assert 0 < refilling < idle - 5, rounds
+    # A batch that stood empty for longer than IDLE_RESET: a new spell, judged afresh.
+    engine._size_seen, engine._last_decode = 3.0, time.perf_counter() - 2 * IDLE_RESET
+    ((tokens, final),) = run_all(engine, [req])
+    assert tokens == plain
+    assert final.stats.drafter_rounds.get("draft-model", 0) == idle
 
 
 def test_a_speculative_step_is_charged_its_drafters_joins(loaded):
