@@ -4,7 +4,9 @@ N clients (prompts: the openings of the held-out standard-library files, `--prom
 each) queue a request each at once on mlx-spec's `BatchEngine`; with `--requests R` each
 client sends R in all, the next when its last finished (the engine then keeps a prompt cache
 and prompts repeat across clients, as in `server_load.py`: the turnover of a server, without
-HTTP). Every request generates exactly `--max-tokens` tokens (EOS off); throughput is all
+HTTP; `--arrival-delay-ms D`: each next request D ms after the last one ended, as a
+client's round trip to a server puts it). Every request generates exactly `--max-tokens`
+tokens (EOS off); throughput is all
 generated tokens over the wall time from the first request to the last token (prefill
 included). Modes: plain decoding, each drafter of the embedded pair with the
 batch policy choosing K every step ("auto"), and all drafters as one group; the peer is
@@ -82,14 +84,17 @@ def run_engine(
     every_thread: bool = False,
     join_share: float | None = None,
     plain_when_full: bool = False,
+    delay: float = 0.0,
 ):
     """Each client's first request queued at once, each next one when the client's last
     finished; step to the end. Returns (tokens generated, seconds, acceptance). With more
     than one request per client the engine gets a fresh prompt cache. `every_thread`: the
     BLAS keeps all its threads for every pass (no `BlasThreads` plan); `join_share`: the
     policy's `min_share` for the run; `plain_when_full`: plain steps whenever the batch is
-    full."""
+    full; `delay`: seconds between a request's end and its client's next request (a
+    server's round trip; 0: queued at once)."""
     finals = []
+    pending: list[tuple[float, list, int]] = []  # (when, client, request) not yet sent
     drafter = None if mode == "plain" else mode
     if max(len(c) for c in clients) > 1:
         engine.row_cache = RowCache()
@@ -100,7 +105,9 @@ def run_engine(
                 raise item
             if item.token is None:
                 finals.append(item.stats)
-                if r + 1 < len(client):
+                if r + 1 < len(client) and delay:
+                    pending.append((time.perf_counter() + delay, client, r + 1))
+                elif r + 1 < len(client):
                     submit(client, r + 1)
 
         engine.add(
@@ -126,8 +133,15 @@ def run_engine(
         tic = time.perf_counter()
         for client in clients:
             submit(client, 0)
-        while engine.busy:
-            engine.step()
+        while engine.busy or pending:
+            now = time.perf_counter()
+            for due in [p for p in pending if p[0] <= now]:
+                pending.remove(due)
+                submit(due[1], due[2])
+            if engine.busy:
+                engine.step()
+            elif pending:
+                time.sleep(max(0.0, min(p[0] for p in pending) - now))
         seconds = time.perf_counter() - tic
     finally:
         engine.threads = plan
@@ -138,9 +152,9 @@ def run_engine(
     return sum(s.generated_tokens for s in finals), seconds, accepted / drafted if drafted else 0.0
 
 
-def run_peer(model, clients: list[list], max_tokens: int, temperature: float):
+def run_peer(model, clients: list[list], max_tokens: int, temperature: float, delay=0.0):
     """mlx-lm's BatchGenerator over the same clients (no stop tokens; each client's next
-    request inserted when its last finished)."""
+    request inserted when its last finished, or `delay` seconds later)."""
     gen = BatchGenerator(
         model,
         max_tokens=max_tokens,
@@ -154,7 +168,17 @@ def run_peer(model, clients: list[list], max_tokens: int, temperature: float):
     owner = {uid: (i, 0) for i, uid in enumerate(uids)}
     total = sum(len(c) for c in clients)
     tokens, done = 0, 0
+    pending: list[tuple[float, int, int]] = []  # (when, client, request) not yet inserted
     while done < total:
+        now = time.perf_counter()
+        for due in [p for p in pending if p[0] <= now]:
+            pending.remove(due)
+            _, i, r = due
+            (uid,) = gen.insert([list(clients[i][r])], max_tokens=[max_tokens])
+            owner[uid] = (i, r)
+        if not owner and pending:  # every client between requests
+            time.sleep(max(0.0, min(p[0] for p in pending) - now))
+            continue
         for response in gen.next_generated():
             tokens += 1
             if response.finish_reason is None:
@@ -162,8 +186,7 @@ def run_peer(model, clients: list[list], max_tokens: int, temperature: float):
             done += 1
             i, r = owner.pop(response.uid)
             if r + 1 < len(clients[i]):
-                (uid,) = gen.insert([list(clients[i][r + 1])], max_tokens=[max_tokens])
-                owner[uid] = (i, r + 1)
+                pending.append((time.perf_counter() + delay, i, r + 1))
     seconds = time.perf_counter() - tic
     gen.close()
     return tokens, seconds, 0.0
@@ -207,33 +230,42 @@ def print_trace(trace: list, wall: float) -> None:
 def configurations(engine, model, batch, args) -> list:
     """(name, run) for each mode and the peer, each run returning (tokens, seconds, acceptance)."""
     out = []
+    delay = args.arrival_delay_ms / 1e3
     for mode in args.modes:
         out.append(
             (
                 mode,
                 lambda m=mode: run_engine(
-                    engine, batch, args.max_tokens, m, args.temperature, args.num_draft
+                    engine, batch, args.max_tokens, m, args.temperature, args.num_draft,
+                    delay=delay,
                 ),
             )
-        )
+        )  # fmt: skip
     if args.compare_threads and engine.threads is not None:
         out.append(
             (
                 "plain, every BLAS thread",
                 lambda: run_engine(
-                    engine, batch, args.max_tokens, "plain", args.temperature, every_thread=True
-                ),
+                    engine,
+                    batch,
+                    args.max_tokens,
+                    "plain",
+                    args.temperature,
+                    every_thread=True,
+                    delay=delay,
+                ),  # fmt: skip
             )
         )
     spec = [m for m in args.modes if m != "plain"]
     run = lambda m, **kw: run_engine(  # noqa: E731
-        engine, batch, args.max_tokens, m, args.temperature, args.num_draft, **kw
+        engine, batch, args.max_tokens, m, args.temperature, args.num_draft, delay=delay, **kw
     )
     if args.compare_joins:
         out += [(f"{m}, every join", lambda m=m: run(m, join_share=0.0)) for m in spec]
     if args.compare_plain_when_full:
         out += [(f"{m}, plain when full", lambda m=m: run(m, plain_when_full=True)) for m in spec]
-    out.append(("mlx-lm", lambda: run_peer(model, batch, args.max_tokens, args.temperature)))
+    peer = lambda: run_peer(model, batch, args.max_tokens, args.temperature, delay)  # noqa: E731
+    out.append(("mlx-lm", peer))
     return out
 
 
@@ -270,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         help="requests per client, each sent when the client's last one finished (default 1; "
         "more: the engine keeps a prompt cache, and prompts repeat across clients as in "
         "server_load.py)",
+    )
+    p.add_argument(
+        "--arrival-delay-ms",
+        type=float,
+        default=0.0,
+        help="with --requests > 1: milliseconds between a request's end and its client's next "
+        "one (a server's round trip, as in server_load.py; default 0: queued at once)",
     )
     p.add_argument(
         "--compare-threads",
