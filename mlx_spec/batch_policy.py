@@ -55,9 +55,6 @@ class RowAsk:
     available: list[int | None] = field(default_factory=list)
     backlog: list[int] = field(default_factory=list)
 
-    def backlog_of(self, arm: int) -> int:
-        return self.backlog[self.arms.index(arm)] if self.backlog else 0
-
 
 class _Merged:
     """A step's asks with the rows that ask alike merged (a batch's rows mostly do): a plan
@@ -89,20 +86,24 @@ class _Merged:
 
     def shape(self, plan: list) -> tuple[int, int, tuple]:
         """As `BatchDraftPolicy.shape` of the plan's rows."""
-        big_k = max((k for _, k in plan), default=0)
-        arms = tuple(sorted({a for a, k in plan if a is not None and k > 0}))
-        return self.size, big_k, arms
+        return (self.size, *BatchDraftPolicy.shape(plan)[1:])
 
     def catch_up(self, plan: list) -> int:
         """As `BatchDraftPolicy.catch_up` of the plan's rows."""
-        big_k = max((k for _, k in plan), default=0)
-        rows: dict[int, int] = {}
-        widest: dict[int, int] = {}
-        for (arm, k), count, backlogs in zip(plan, self.counts, self.widest, strict=True):
-            if arm is not None and k > 0:
-                rows[arm] = rows.get(arm, 0) + count
-                widest[arm] = max(widest.get(arm, 0), backlogs.get(arm, 0))
-        return sum(n * max(0, widest[arm] - big_k) for arm, n in rows.items())
+        return _catch_up(list(zip(plan, self.counts, self.widest, strict=True)))
+
+
+def _catch_up(groups: list[tuple[tuple[int | None, int], int, dict[int, int]]]) -> int:
+    """`BatchDraftPolicy.catch_up` over groups of rows that draft alike: per group its
+    (arm, k), its rows and, per arm, its longest backlog."""
+    big_k = max((k for (_, k), _, _ in groups), default=0)
+    rows: dict[int, int] = {}
+    widest: dict[int, int] = {}
+    for (arm, k), count, backlogs in groups:
+        if arm is not None and k > 0:
+            rows[arm] = rows.get(arm, 0) + count
+            widest[arm] = max(widest.get(arm, 0), backlogs.get(arm, 0))
+    return sum(n * max(0, widest[arm] - big_k) for arm, n in rows.items())
 
 
 class _Costs:
@@ -357,12 +358,10 @@ class BatchDraftPolicy:
         """W of a step: per model drafter, its drafting rows times how far the longest
         backlog among them exceeds the step's K (a speculative step's own emitted tokens
         are no catch-up; the first pass is as wide as its longest row)."""
-        big_k = max((k for _, k in rows), default=0)
-        widest: dict[int, list[int]] = {}
-        for ask, (arm, k) in zip(asks, rows, strict=True):
-            if arm is not None and k > 0:
-                widest.setdefault(arm, []).append(ask.backlog_of(arm))
-        return sum(len(b) * max(0, max(b) - big_k) for b in widest.values())
+        groups = []
+        for ask, row in zip(asks, rows, strict=True):  # no backlog given: none
+            groups.append((row, 1, dict(zip(ask.arms, ask.backlog, strict=False))))
+        return _catch_up(groups)
 
     def _rate(self, asks, rows: list[tuple[int | None, int]], tokens: float) -> float:
         spread = self.catch_up(asks, rows) / self.horizon
