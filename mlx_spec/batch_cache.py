@@ -1,19 +1,29 @@
 """A KV cache for a batch of sequences that each grow, and roll back, by their own amount.
 
 mlx-lm's `BatchKVCache` keeps every row's tokens contiguous and right-aligned, so a row can only
-lose tokens from its end by rolling its whole cache (a copy of everything, every round). Here
-each cache column instead records, per row, the logical position of the token stored there
-(-1: nothing). Attention masks are computed from those positions, so:
+lose tokens from its end by rolling its whole cache (a copy of everything, every round), and
+all rows write at one shared column. Here each row has its own end (the column after its last
+token: tokens are written there, per row, by one scatter), and each cache column records, per
+row, the logical position of the token stored there (-1: nothing). Attention masks are computed
+from those positions, so:
 
-- a chunk of different lengths per row is fed right-padded (the pads get position -1);
-- rolling row i back to L tokens marks its columns at positions >= L empty, copying nothing;
+- a chunk of different lengths per row is fed right-padded (the pads get position -1 and lie
+  past the row's end, where its next tokens go);
+- rolling row i back to L tokens marks its columns at positions >= L empty and moves its end
+  back, copying nothing: its next tokens overwrite them, so rows that accept drafts by
+  different amounts leave no holes and every pass attends over the longest row's columns
+  only (a shared write column would leave each row's rejected drafts as empty columns that
+  every later pass attends over, until a compaction);
 - sliding windows are masks over positions (`pos > query - window`), exact after any rollback;
 - rows join (`extend`) and leave (`filter`) between steps, and one row is taken out compact
   (`extract`) for a prompt cache.
 
-Empty columns left by rollbacks are squeezed out by `compact` once they make up a large part of
-the cache. One `_Positions` object is shared by every layer of a window group (full attention,
-or one sliding-window size); the layers' `BatchLayerCache`s hold the keys and values.
+While every row ends at the same column (after a compaction or a join, as long as rows grow
+alike), tokens are written by a slice update, as mlx-lm does. Columns left of a row's tokens
+(a row shorter than the batch when it joined, a sliding window's expired tokens) are squeezed
+out by `compact` once they make up a large part of the cache. One `_Positions` object is
+shared by every layer of a window group (full attention, or one sliding-window size); the
+layers' `BatchLayerCache`s hold the keys and values.
 """
 
 from __future__ import annotations
@@ -22,7 +32,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import fused
@@ -35,7 +44,8 @@ DEAD_MARGIN = 64
 
 
 class _Positions:
-    """Per row: the position of the token in each column (EMPTY if none) and the next position.
+    """Per row: the position of the token in each column (EMPTY if none), the next position,
+    and the column after its last token (its end: where its next tokens go).
 
     Args:
         batch: rows.
@@ -47,8 +57,11 @@ class _Positions:
         self.pos = mx.full((batch, 0), EMPTY, mx.int32)  # [B, capacity]
         self.offset = mx.zeros((batch,), mx.int32)  # [B] tokens held (the next position)
         self.lengths = [0] * batch  # the same, as Python ints
-        self.idx = 0  # columns in use
+        self.ends = [0] * batch  # per row, the column after its last token
         self.chunk = 0  # width of the chunk being fed
+        # Where the chunk being fed goes: a column all rows share (int), or `[B, chunk]` the
+        # columns per row (rows ending at different columns).
+        self.write: int | mx.array = 0
         # A tree being fed (one row): its nodes' depths `[n]` and ancestor mask `[n, n]`, and
         # the first column it took (until `keep_tree`).
         self.tree: tuple[mx.array, mx.array] | None = None
@@ -68,23 +81,45 @@ class _Positions:
     def batch(self) -> int:
         return len(self.lengths)
 
+    @property
+    def idx(self) -> int:
+        """Columns in use: up to the end of the row that ends last."""
+        return max(self.ends, default=0)
+
+    @property
+    def span(self) -> int:
+        """Columns the chunk being fed attends over (those in use, then the chunk's)."""
+        return self.idx + self.chunk
+
+    def aligned(self, width: int) -> None:
+        """Every row now ends at column `width` (its tokens moved to end there)."""
+        self.ends = [width] * self.batch
+
     def begin(self, lengths: Sequence[int]) -> None:
-        """Reserve columns for a chunk of `max(lengths)` tokens; row i's first `lengths[i]`
-        get the positions after its tokens, its pads stay EMPTY."""
+        """Reserve columns for a chunk of `n = max(lengths)` tokens after each row's end;
+        row i's first `lengths[i]` get the positions after its tokens, its pads stay EMPTY."""
         n = max(lengths)
+        top = self.idx
         self.chunk = n
-        if self.idx + n > self.pos.shape[1]:
-            grow = ((self.idx + n - self.pos.shape[1] + STEP - 1) // STEP) * STEP
+        if top + n > self.pos.shape[1]:
+            grow = ((top + n - self.pos.shape[1] + STEP - 1) // STEP) * STEP
             self.pos = mx.concatenate([self.pos, mx.full((self.batch, grow), EMPTY, mx.int32)], 1)
         j = mx.arange(n)[None]  # [1, n]
         fed = mx.array(list(lengths), mx.int32)[:, None]  # [B, 1]
         new = mx.where(j < fed, self.offset[:, None] + j, EMPTY)  # [B, n]
-        self.pos[:, self.idx : self.idx + n] = new
+        if all(end == top for end in self.ends):
+            self.write = top
+            self.pos[:, top : top + n] = new
+        else:
+            self.write = mx.array(self.ends, mx.int32)[:, None] + j  # [B, n]
+            self.pos = mx.put_along_axis(self.pos, self.write, new, axis=1)
 
     def end(self, lengths: Sequence[int]) -> None:
-        """The chunk was fed: row i now holds `lengths[i]` more tokens."""
-        self.idx += self.chunk
+        """The chunk was fed: row i now holds `lengths[i]` more tokens (its pads' columns are
+        free again)."""
         self.chunk = 0
+        self.write = self.idx
+        self.ends = [e + n for e, n in zip(self.ends, lengths, strict=True)]
         self.lengths = [a + b for a, b in zip(self.lengths, lengths, strict=True)]
         self.offset = mx.array(self.lengths, mx.int32)
 
@@ -96,41 +131,45 @@ class _Positions:
         n = len(depths)
         self.begin([n])
         depth = mx.array(list(depths), mx.int32)
-        self.pos[:, self.idx : self.idx + n] = self.offset[:, None] + depth[None]
+        self.pos[:, self.write : self.write + n] = self.offset[:, None] + depth[None]
         self.tree = (depth, mx.array(ancestors))
-        self.tree_start = self.idx
+        self.tree_start = self.write
 
     def end_tree(self) -> None:
         """The tree was fed; its columns stay until `keep_tree` picks the path that stays."""
-        self.idx += self.chunk
+        self.ends = [self.tree_start + self.chunk]
         self.chunk = 0
 
-    def keep_tree(self, rows: Sequence[int]) -> None:
+    def keep_tree(self, rows: Sequence[int]) -> list[int] | None:
         """Keep the tree's nodes `rows` (the root and an accepted path, depths 0, 1, ...): the
-        row then holds len(rows) more tokens; the other nodes' columns become empty."""
-        depth, _ = self.tree
-        n = depth.shape[0]
-        keep = np.zeros(n, dtype=bool)
-        keep[list(rows)] = True
+        row then holds len(rows) more tokens, in the tree's first columns; the other nodes'
+        columns are free again. Returns the tree's columns (relative to its first) to move
+        to its first columns, in order, or None if the kept nodes are there already."""
+        rows = list(rows)
         start = self.tree_start
-        cols = self.pos[:, start : start + n]
-        self.pos[:, start : start + n] = mx.where(mx.array(keep)[None], cols, EMPTY)
+        move = None if rows == list(range(len(rows))) else rows
+        if move is not None:
+            kept = self.pos[:, start + mx.array(move, mx.int32)]
+            self.pos[:, start : start + len(rows)] = kept
+        self.pos[:, start + len(rows) : self.idx] = EMPTY
         self.tree = None
+        self.ends = [start + len(rows)]
         self.lengths = [self.lengths[0] + len(rows)]
         self.offset = mx.array(self.lengths, mx.int32)
+        return move
 
     def drop_tree(self) -> None:
         """Give the whole tree's columns back (none of its nodes stays)."""
-        n = self.tree[0].shape[0]
-        self.pos[:, self.tree_start : self.tree_start + n] = EMPTY
-        self.idx = self.tree_start
+        self.pos[:, self.tree_start : self.idx] = EMPTY
+        self.ends = [self.tree_start]
         self.tree = None
 
     def mask(self, n: int, window: int | None) -> mx.array:
-        """`[B, 1, n, idx + n]` bool: query j of row i (position offset_i + j) sees the columns
+        """`[B, 1, n, span]` bool: query j of row i (position offset_i + j) sees the columns
         holding positions <= its own (and within the window); a tree's node sees, of the
         tree's columns, only its ancestors'."""
-        pos = self.pos[:, None, : self.idx + n]  # [B, 1, C]
+        span = self.span
+        pos = self.pos[:, None, :span]  # [B, 1, C]
         if self.tree is not None:
             depth, ancestors = self.tree
             query = (self.offset[:, None] + depth[None])[:, :, None]  # [1, n, 1]
@@ -138,45 +177,61 @@ class _Positions:
             query = (self.offset[:, None] + mx.arange(n)[None])[:, :, None]  # [B, n, 1]
         visible = (pos >= 0) & (pos <= query)
         if self.tree is not None:
-            old = mx.ones((n, self.idx), dtype=mx.bool_)
+            old = mx.ones((n, span - n), dtype=mx.bool_)
             visible = visible & mx.concatenate([old, ancestors], axis=1)[None]
         window = window or self.window
         if window is not None:
             visible = visible & (pos > query - window)
         # Every query also sees its own column: real tokens do anyway, and a pad of a row
         # that holds nothing yet is never left with no column at all (a softmax over nothing).
-        own = mx.arange(self.idx + n)[None] == (self.idx + mx.arange(n))[:, None]  # [n, C]
+        if isinstance(self.write, int):
+            own = mx.arange(span)[None] == (self.write + mx.arange(n))[:, None]  # [n, C]
+        else:
+            own = mx.arange(span)[None, None] == self.write[:, :, None]  # [B, n, C]
         return (visible | own)[:, None]
 
     def truncate(self, lengths: Sequence[int]) -> None:
-        """Keep only the first `lengths[i]` tokens of row i."""
+        """Keep only the first `lengths[i]` tokens of row i (its last columns: its end moves
+        back by what it drops)."""
         if any(new > old for new, old in zip(lengths, self.lengths, strict=True)):
             raise ValueError(f"cannot grow rows by truncation: {self.lengths} -> {list(lengths)}")
         keep = mx.array(list(lengths), mx.int32)[:, None]
         self.pos = mx.where(self.pos >= keep, EMPTY, self.pos)
+        self.ends = [
+            max(0, end - (old - new))
+            for end, old, new in zip(self.ends, self.lengths, lengths, strict=True)
+        ]
         self.lengths = list(lengths)
         self.offset = mx.array(self.lengths, mx.int32)
 
     def held(self) -> list[int]:
         """Columns in use per row that hold a token (sliding groups: those inside the window)."""
-        pos = self.pos[:, : self.idx]
-        live = pos >= 0
-        if self.window is not None:
-            live = live & (pos > self.offset[:, None] - self.window - DEAD_MARGIN)
-        return live.sum(axis=1).tolist()
+        return self._live().sum(axis=1).tolist()
 
-    def live_columns(self, rows: mx.array | None = None) -> tuple[mx.array, int]:
-        """`[B', V]` column indices of each row's live tokens in order (empty columns after
-        them), and V; `rows` picks rows (default: all)."""
+    def _live(self, rows: mx.array | None = None) -> mx.array:
+        """`[B', idx]` whether each column in use holds a token a row still needs."""
         pos = self.pos[:, : self.idx] if rows is None else self.pos[rows, : self.idx]
         offset = self.offset if rows is None else self.offset[rows]
         live = pos >= 0
         if self.window is not None:
             live = live & (pos > offset[:, None] - self.window - DEAD_MARGIN)
-        width = int(live.sum(axis=1).max().item()) if pos.shape[0] else 0
+        return live
+
+    def live_columns(self, rows: mx.array | None = None) -> tuple[mx.array, int]:
+        """`[B', V]` column indices of each row's live tokens in order, right-aligned (empty
+        columns before them), and V; `rows` picks rows (default: all)."""
+        live = self._live(rows)
+        width = int(live.sum(axis=1).max().item()) if live.shape[0] else 0
         cols = mx.arange(self.idx)[None]
-        order = mx.argsort(mx.where(live, cols, cols + self.idx), axis=1)[:, :width]
-        return order, width
+        order = mx.argsort(mx.where(live, cols + self.idx, cols), axis=1)
+        return order[:, self.idx - width :], width
+
+    def gathered(self, order: mx.array, rows: mx.array | None = None) -> mx.array:
+        """The positions of the columns `order` picks (`live_columns`), EMPTY where a row's
+        column holds nothing it still needs."""
+        pos = self.pos[:, : self.idx] if rows is None else self.pos[rows, : self.idx]
+        pos = mx.where(self._live(rows), pos, EMPTY)
+        return mx.take_along_axis(pos, order, axis=1)
 
 
 class BatchLayerCache:
@@ -193,12 +248,18 @@ class BatchLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         p = self.positions
-        start, n = p.idx, keys.shape[2]
-        if self.keys is None or start + n > self.keys.shape[2]:
-            self._grow(keys, values, start + n)
-        self.keys[:, :, start : start + n] = keys
-        self.values[:, :, start : start + n] = values
-        return self.keys[:, :, : start + n], self.values[:, :, : start + n]
+        span = p.span
+        if self.keys is None or span > self.keys.shape[2]:
+            self._grow(keys, values, span)
+        if isinstance(p.write, int):
+            n = keys.shape[2]
+            self.keys[:, :, p.write : p.write + n] = keys
+            self.values[:, :, p.write : p.write + n] = values
+        else:  # rows end at different columns: each row's chunk goes after its own end
+            where = p.write[:, None, :, None]  # [B, 1, n, 1]
+            self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, where, values, axis=2)
+        return self.keys[:, :, :span], self.values[:, :, :span]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         capacity = ((needed + STEP - 1) // STEP) * STEP
@@ -298,7 +359,16 @@ class BatchCache:
     def keep_tree(self, rows: Sequence[int]) -> None:
         """Keep the tree's root and accepted path (`rows`: 0, then node index + 1 each)."""
         for group in self.groups.values():
-            group.keep_tree(rows)
+            start = group.tree_start
+            move = group.keep_tree(rows)
+            if move is None:
+                continue
+            picked = start + mx.array(move, mx.int32)
+            for layer in self.layers:
+                if layer.positions is group and layer.keys is not None:
+                    for name in ("keys", "values"):
+                        x = getattr(layer, name)
+                        x[:, :, start : start + len(move)] = x[:, :, picked]
 
     def drop_tree(self) -> None:
         """Drop the tree's root and nodes: the cache is as before the pass."""
@@ -336,6 +406,7 @@ class BatchCache:
         for group in self.groups.values():
             group.pos, group.offset = group.pos[index], group.offset[index]
             group.lengths = [group.lengths[r] for r in rows]
+            group.ends = [group.ends[r] for r in rows]
 
     def extend(self, other: BatchCache) -> None:
         """Append `other`'s rows (a cache of the same model) after this one's."""
@@ -348,9 +419,10 @@ class BatchCache:
                 a.keys, a.values = _stack_rows(a, b, mine, theirs, width)
             pads = [_left_pad(g.pos, g.idx, width, EMPTY) for g in (mine, theirs)]
             mine.pos = mx.concatenate(pads)
+            shift = [width - mine.idx, width - theirs.idx]
+            mine.ends = [e + shift[0] for e in mine.ends] + [e + shift[1] for e in theirs.ends]
             mine.lengths = mine.lengths + theirs.lengths
             mine.offset = mx.array(mine.lengths, mx.int32)
-            mine.idx = width
 
     def extract(self, row: int, model: nn.Module) -> BatchCache:
         """Row `row` as a one-row cache holding only its tokens (no empty columns)."""
@@ -363,8 +435,8 @@ class BatchCache:
                 if a.positions is group and a.keys is not None:
                     b.keys = _gather(a.keys[rows], order)
                     b.values = _gather(a.values[rows], order)
-            mine.pos = mx.take_along_axis(group.pos[rows, : group.idx], order, axis=1)
-            mine.idx = width
+            mine.pos = group.gathered(order, rows)
+            mine.aligned(width)
             mine.lengths = [group.lengths[row]]
             mine.offset = mx.array(mine.lengths, mx.int32)
         return out
@@ -377,7 +449,7 @@ class BatchCache:
         for window, group in self.groups.items():
             mine = _Positions(group.batch, window)
             mine.pos, mine.offset = mx.array(group.pos), mx.array(group.offset)
-            mine.lengths, mine.idx = list(group.lengths), group.idx
+            mine.lengths, mine.ends = list(group.lengths), list(group.ends)
             out.groups[window] = mine
         out.layers = []
         for layer in self.layers:
@@ -388,22 +460,24 @@ class BatchCache:
         return out
 
     def compact(self) -> None:
-        """Squeeze the empty columns out (each row's tokens moved to the front, in order)."""
+        """Squeeze the empty columns out: each row's tokens moved, in order, to end at one
+        column (the longest row's count), where every row's next tokens then go."""
         for group in self.groups.values():
             order, width = group.live_columns()
             for layer in self.layers:
                 if layer.positions is group and layer.keys is not None:
                     layer.keys = _gather(layer.keys, order)
                     layer.values = _gather(layer.values, order)
-            group.pos = mx.take_along_axis(group.pos[:, : group.idx], order, axis=1)
-            group.idx = width
+            group.pos = group.gathered(order)
+            group.aligned(width)
 
     def tidy(self, slack: float = 0.25, spare: int = 16) -> None:
         """Compact once the columns in use outnumber what a row can still need (its tokens,
         or a sliding window's) by more than `slack` of it plus `spare` columns: every pass
-        attends over every column in use, and each speculative step leaves the columns of
-        its rejected drafts (a drafter's: its self-fed steps) empty. Decided on counts held
-        in Python; the compaction itself reads the columns back (a device sync)."""
+        attends over every column in use, and a row that joined shorter than the batch, or
+        outlived the row that was longest, leaves columns before its tokens. Decided on
+        counts held in Python; the compaction itself reads the columns back (a device
+        sync)."""
         longest = max(self.lengths, default=0)
         for group in self.groups.values():
             need = longest if group.window is None else min(longest, group.window + DEAD_MARGIN)

@@ -803,7 +803,7 @@ class BatchEngine:
             targets[i] += keep - (1 + counts[i])  # the pass fed last + drafts; keep `keep`
             outcomes.append((counts[i], min(n, keep - 1)))
         self.cache.truncate(targets)
-        self.cache.tidy()  # the rejected drafts' columns, squeezed out once they are many
+        self.cache.tidy()  # columns before rows' tokens, squeezed out once they are many
         # Timed like a plain step: from the last step settled (the choice, the rows' asks and
         # leaving are the step's too), prefill work apart, the drafters' joins included.
         spent = self._prefill_spent - self._join_spent

@@ -79,6 +79,41 @@ def test_batch_cache_matches_single_stream(loaded, family):
     assert batch.lengths == [len(s) - 1 for s in seqs]
 
 
+def test_rows_rolled_back_by_their_own_amounts_leave_no_empty_columns(loaded):
+    """Rows fed ragged chunks and cut back by their own amounts (a speculative step's
+    rejections) keep their tokens contiguous: the columns in use stay exactly those of the
+    longest row, with no compaction, and each row's logits still equal a fresh pass's. A
+    cache whose rows all wrote at one shared column would have grown by the widest chunk
+    every step."""
+    model = loaded["llama"][0]
+    rng = random.Random(1)
+    seqs = [[rng.randrange(3, 20) for _ in range(n)] for n in (9, 4, 14)]
+    batch = BatchCache(model, 3)
+    lengths = [len(s) - 1 for s in seqs]
+    width = max(lengths)
+    batch.begin(lengths)
+    model(mx.array([s[:-1] + [0] * (width - len(s) + 1) for s in seqs]), cache=batch.layers)
+    batch.end(lengths)
+    for step in range(16):
+        feeds = [rng.randrange(1, 6) for _ in seqs]
+        width = max(feeds)
+        chunks = [
+            [s[-1]] + [rng.randrange(3, 20) for _ in range(f - 1)]
+            for s, f in zip(seqs, feeds, strict=True)
+        ]
+        batch.begin(feeds)
+        logits = model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=batch.layers)
+        batch.end(feeds)
+        for i, (s, c) in enumerate(zip(seqs, chunks, strict=True)):
+            ref = single_logits(model, s[:-1] + c)[-len(c) :]
+            assert mx.allclose(ref, logits[i, : len(c)], atol=1e-4).item(), (step, i)
+            keep = rng.randrange(1, len(c) + 1)
+            s[:] = s[:-1] + c[:keep] + [rng.randrange(3, 20)]
+        batch.truncate([len(s) - 1 for s in seqs])
+        assert batch.columns == max(batch.lengths), (step, batch.lengths)
+        assert batch.groups[None].held() == batch.lengths
+
+
 @pytest.fixture(scope="module")
 def mtp_target(tmp_path_factory):
     """A MiMo target with an MTP head, converted (float32)."""
@@ -218,10 +253,11 @@ def direct_join_run(model, tok, drafters, drafter, vocab):
 
 
 def test_speculative_steps_keep_the_cache_narrow(loaded):
-    """Each speculative step leaves its rejected drafts' columns empty; the batch's cache is
-    compacted once they pass a quarter of what its longest row holds, so every pass attends
-    over little more than the rows' tokens (rows join and leave around it; the outputs are
-    those of plain decoding)."""
+    """Rows accept drafts by their own amounts and each writes after its own end, so the
+    rejected drafts' columns are reused; columns left of a row (a shorter row that joined, a
+    longer one that left) are compacted once they pass a quarter of what the longest row
+    holds: every pass attends over little more than the rows' tokens (rows join and leave
+    around it; the outputs are those of plain decoding)."""
     model, tok, draft, _ = loaded["llama"]
     tok = with_eos(tok)
     engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)

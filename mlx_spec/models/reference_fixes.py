@@ -3,7 +3,10 @@ reference, applied to mlx-lm's classes without forking their files.
 
 - gemma2: sliding-window attention on the layers `layer_types` marks (transformers alternates
   sliding and full layers, window `sliding_window`); mlx-lm's Gemma 2 attends to the whole context
-  on every layer. Sliding layers get a RotatingKVCache of the window and a windowed mask.
+  on every layer. Sliding layers get a RotatingKVCache of the window and a windowed mask. And
+  a mask with one row per sequence (`[B, 1, n, C]`) meets the attention's grouped-query scores
+  (`[B, kv_heads, repeats, n, C]`) with a unit axis for the repeats, not broadcast against the
+  key-value heads (mlx-lm's Gemma 2 applies row h's mask to kv head h of every row).
 - mistral, mixtral, ministral3, phi3, phimoe, starcoder2: a sliding window on every layer
   (transformers applies `sliding_window` to all layers of these families; mlx-lm's models attend
   to the whole context). Conversion marks such a config with `layer_types` all
@@ -51,7 +54,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 FIXED = {
-    "gemma2": "sliding-window attention on the sliding layers",
+    "gemma2": "sliding-window attention on the sliding layers; per-row masks with grouped heads",
     "gpt_neox": "the configured MLP activation",
     "gemma": "the configured MLP activation",
     "starcoder2": "the configured MLP activation; a sliding window on every layer",
@@ -231,6 +234,15 @@ def _fix_gemma2() -> None:
 
     gemma2.GemmaModel.__call__ = __call__
     gemma2.Model.make_cache = make_cache
+
+    attention_call = gemma2.Attention.__call__
+
+    def attention(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if isinstance(mask, mx.array) and mask.ndim == 4 and self.repeats > 1:
+            mask = mask[:, :, None]  # [B, 1, 1, n, C] against [B, kv_heads, repeats, n, C]
+        return attention_call(self, x, mask, cache)
+
+    gemma2.Attention.__call__ = attention
 
 
 # ------------------------------------------------------------------- window on every layer
