@@ -1,11 +1,10 @@
 """What a batched plain step costs as its cache widens: the attention's share of a step.
 
 Every pass of a batch attends over the columns its cache has in use, the same for every row:
-the longest row's tokens (rows out of step: one near its end beside one just joined) plus the
-columns rejected drafts left empty until a compaction. This times pipelined plain steps of B
-rows of the embedded pair's target (float32) over caches of each width, so that what a
-column costs can be set against what rows out of step add (`batch_engine.py --trace` prints
-the columns in use and the tokens the rows hold).
+the longest row's tokens (rows out of step: one near its end beside one just joined). This
+times pipelined plain steps of B rows of the embedded pair's target (float32) over caches of
+each width, so that what a column costs can be set against what rows out of step add
+(`batch_engine.py --trace` prints the columns in use and the tokens the rows hold).
 
 Example:
     python benchmarks/attention_width.py --rows 8 --widths 16 80 112 160 200 300

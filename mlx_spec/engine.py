@@ -148,8 +148,8 @@ class StepTrace:
     again). A plain step (K = 0; each pass is queued before the last is read) is timed from
     the last step read to its own, all in `verify`. `columns`: the target cache's columns
     in use after the step (what a pass attends over, per row), `held`: the tokens its rows
-    hold, on average (rows out of step, or the empty columns of rejected drafts, make
-    `columns` exceed `held`)."""
+    hold, on average (rows out of step make `columns` exceed `held`: every row's pass
+    attends over the longest row's columns)."""
 
     rows: int
     num_draft: int

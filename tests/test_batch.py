@@ -38,6 +38,27 @@ def single_logits(model, tokens):
     return model(mx.array(tokens)[None], cache=make_prompt_cache(model))[0]
 
 
+def ragged_step(model, batch: BatchCache, seqs: list[list[int]], rng, most: int, step: int):
+    """One speculative-like step: row i is fed its last token and up to `most - 1` random
+    ones, its logits are checked against a fresh single-stream pass, and it keeps a random
+    prefix of them (plus a new last token): the cache is cut back by each row's own amount."""
+    feeds = [rng.randrange(1, most + 1) for _ in seqs]
+    width = max(feeds)
+    chunks = [
+        [s[-1]] + [rng.randrange(3, 20) for _ in range(f - 1)]
+        for s, f in zip(seqs, feeds, strict=True)
+    ]
+    batch.begin(feeds)
+    logits = model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=batch.layers)
+    batch.end(feeds)
+    for i, (s, c) in enumerate(zip(seqs, chunks, strict=True)):
+        ref = single_logits(model, s[:-1] + c)[-len(c) :]
+        assert mx.allclose(ref, logits[i, : len(c)], atol=1e-4).item(), (step, i)
+        keep = rng.randrange(1, len(c) + 1)
+        s[:] = s[:-1] + c[:keep] + [rng.randrange(3, 20)]
+    batch.truncate([len(s) - 1 for s in seqs])
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_batch_cache_matches_single_stream(loaded, family):
     """Rows fed ragged chunks, cut back by their own amounts, compacted, taken out and put back:
@@ -54,21 +75,7 @@ def test_batch_cache_matches_single_stream(loaded, family):
         one.end([len(s) - 1])
         batch = one if batch is None else (batch.extend(one) or batch)
     for step in range(24):
-        feeds = [rng.randrange(1, 5) for _ in seqs]
-        width = max(feeds)
-        chunks = [
-            [s[-1]] + [rng.randrange(3, 20) for _ in range(f - 1)]
-            for s, f in zip(seqs, feeds, strict=True)
-        ]
-        batch.begin(feeds)
-        logits = model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=batch.layers)
-        batch.end(feeds)
-        for i, (s, c) in enumerate(zip(seqs, chunks, strict=True)):
-            ref = single_logits(model, s[:-1] + c)[-len(c) :]
-            assert mx.allclose(ref, logits[i, : len(c)], atol=1e-4).item(), (step, i)
-            keep = rng.randrange(1, len(c) + 1)
-            s[:] = s[:-1] + c[:keep] + [rng.randrange(3, 20)]
-        batch.truncate([len(s) - 1 for s in seqs])
+        ragged_step(model, batch, seqs, rng, 4, step)
         if step % 7 == 3:
             batch.compact()
         if step == 12:  # the middle row leaves and comes back last
@@ -95,21 +102,7 @@ def test_rows_rolled_back_by_their_own_amounts_leave_no_empty_columns(loaded):
     model(mx.array([s[:-1] + [0] * (width - len(s) + 1) for s in seqs]), cache=batch.layers)
     batch.end(lengths)
     for step in range(16):
-        feeds = [rng.randrange(1, 6) for _ in seqs]
-        width = max(feeds)
-        chunks = [
-            [s[-1]] + [rng.randrange(3, 20) for _ in range(f - 1)]
-            for s, f in zip(seqs, feeds, strict=True)
-        ]
-        batch.begin(feeds)
-        logits = model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=batch.layers)
-        batch.end(feeds)
-        for i, (s, c) in enumerate(zip(seqs, chunks, strict=True)):
-            ref = single_logits(model, s[:-1] + c)[-len(c) :]
-            assert mx.allclose(ref, logits[i, : len(c)], atol=1e-4).item(), (step, i)
-            keep = rng.randrange(1, len(c) + 1)
-            s[:] = s[:-1] + c[:keep] + [rng.randrange(3, 20)]
-        batch.truncate([len(s) - 1 for s in seqs])
+        ragged_step(model, batch, seqs, rng, 5, step)
         assert batch.columns == max(batch.lengths), (step, batch.lengths)
         assert batch.groups[None].held() == batch.lengths
 
