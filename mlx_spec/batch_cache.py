@@ -118,7 +118,6 @@ class _Positions:
         """The chunk was fed: row i now holds `lengths[i]` more tokens (its pads' columns are
         free again)."""
         self.chunk = 0
-        self.write = self.idx
         self.ends = [e + n for e, n in zip(self.ends, lengths, strict=True)]
         self.lengths = [a + b for a, b in zip(self.lengths, lengths, strict=True)]
         self.offset = mx.array(self.lengths, mx.int32)
@@ -140,17 +139,17 @@ class _Positions:
         self.ends = [self.tree_start + self.chunk]
         self.chunk = 0
 
-    def keep_tree(self, rows: Sequence[int]) -> list[int] | None:
+    def keep_tree(self, rows: Sequence[int]) -> mx.array | None:
         """Keep the tree's nodes `rows` (the root and an accepted path, depths 0, 1, ...): the
         row then holds len(rows) more tokens, in the tree's first columns; the other nodes'
-        columns are free again. Returns the tree's columns (relative to its first) to move
-        to its first columns, in order, or None if the kept nodes are there already."""
+        columns are free again. Returns the columns to move to the tree's first ones, in
+        order (the layers' keys and values follow), or None if the kept nodes are there."""
         rows = list(rows)
         start = self.tree_start
-        move = None if rows == list(range(len(rows))) else rows
-        if move is not None:
-            kept = self.pos[:, start + mx.array(move, mx.int32)]
-            self.pos[:, start : start + len(rows)] = kept
+        move = None
+        if rows != list(range(len(rows))):
+            move = start + mx.array(rows, mx.int32)
+            self.pos[:, start : start + len(rows)] = self.pos[:, move]
         self.pos[:, start + len(rows) : self.idx] = EMPTY
         self.tree = None
         self.ends = [start + len(rows)]
@@ -206,32 +205,27 @@ class _Positions:
 
     def held(self) -> list[int]:
         """Columns in use per row that hold a token (sliding groups: those inside the window)."""
-        return self._live().sum(axis=1).tolist()
+        return self._live()[1].sum(axis=1).tolist()
 
-    def _live(self, rows: mx.array | None = None) -> mx.array:
-        """`[B', idx]` whether each column in use holds a token a row still needs."""
+    def _live(self, rows: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """`[B', idx]` the positions in the columns in use, and whether each holds a token a
+        row still needs; `rows` picks rows (default: all)."""
         pos = self.pos[:, : self.idx] if rows is None else self.pos[rows, : self.idx]
         offset = self.offset if rows is None else self.offset[rows]
         live = pos >= 0
         if self.window is not None:
             live = live & (pos > offset[:, None] - self.window - DEAD_MARGIN)
-        return live
+        return pos, live
 
-    def live_columns(self, rows: mx.array | None = None) -> tuple[mx.array, int]:
+    def live_columns(self, rows: mx.array | None = None) -> tuple[mx.array, int, mx.array]:
         """`[B', V]` column indices of each row's live tokens in order, right-aligned (empty
-        columns before them), and V; `rows` picks rows (default: all)."""
-        live = self._live(rows)
+        columns before them), V, and `[B', V]` the positions in those columns (EMPTY where a
+        row's column holds nothing it still needs); `rows` picks rows (default: all)."""
+        pos, live = self._live(rows)
         width = int(live.sum(axis=1).max().item()) if live.shape[0] else 0
         cols = mx.arange(self.idx)[None]
-        order = mx.argsort(mx.where(live, cols + self.idx, cols), axis=1)
-        return order[:, self.idx - width :], width
-
-    def gathered(self, order: mx.array, rows: mx.array | None = None) -> mx.array:
-        """The positions of the columns `order` picks (`live_columns`), EMPTY where a row's
-        column holds nothing it still needs."""
-        pos = self.pos[:, : self.idx] if rows is None else self.pos[rows, : self.idx]
-        pos = mx.where(self._live(rows), pos, EMPTY)
-        return mx.take_along_axis(pos, order, axis=1)
+        order = mx.argsort(mx.where(live, cols + self.idx, cols), axis=1)[:, self.idx - width :]
+        return order, width, mx.take_along_axis(mx.where(live, pos, EMPTY), order, axis=1)
 
 
 class BatchLayerCache:
@@ -363,12 +357,11 @@ class BatchCache:
             move = group.keep_tree(rows)
             if move is None:
                 continue
-            picked = start + mx.array(move, mx.int32)
             for layer in self.layers:
                 if layer.positions is group and layer.keys is not None:
                     for name in ("keys", "values"):
                         x = getattr(layer, name)
-                        x[:, :, start : start + len(move)] = x[:, :, picked]
+                        x[:, :, start : start + len(rows)] = x[:, :, move]
 
     def drop_tree(self) -> None:
         """Drop the tree's root and nodes: the cache is as before the pass."""
@@ -430,12 +423,12 @@ class BatchCache:
         rows = mx.array([row], mx.int32)
         for window, group in self.groups.items():
             mine = out.groups[window]
-            order, width = group.live_columns(rows)  # [1, V]
+            order, width, positions = group.live_columns(rows)  # [1, V]
             for a, b in zip(self.layers, out.layers, strict=True):
                 if a.positions is group and a.keys is not None:
                     b.keys = _gather(a.keys[rows], order)
                     b.values = _gather(a.values[rows], order)
-            mine.pos = group.gathered(order, rows)
+            mine.pos = positions
             mine.aligned(width)
             mine.lengths = [group.lengths[row]]
             mine.offset = mx.array(mine.lengths, mx.int32)
@@ -463,12 +456,12 @@ class BatchCache:
         """Squeeze the empty columns out: each row's tokens moved, in order, to end at one
         column (the longest row's count), where every row's next tokens then go."""
         for group in self.groups.values():
-            order, width = group.live_columns()
+            order, width, positions = group.live_columns()
             for layer in self.layers:
                 if layer.positions is group and layer.keys is not None:
                     layer.keys = _gather(layer.keys, order)
                     layer.values = _gather(layer.values, order)
-            group.pos = group.gathered(order)
+            group.pos = positions
             group.aligned(width)
 
     def tidy(self, slack: float = 0.25, spare: int = 16) -> None:
