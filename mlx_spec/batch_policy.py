@@ -25,6 +25,11 @@ every `probe_join`-th row it turned away, so that the share stays measured): at 
 size where the policy decodes plainly, or where a group's rows draft with a cheaper drafter,
 rows skip the pass, and take the drafter in later if the batch comes to a size where the
 policy drafts with it (fewer rows: the end of a busy spell).
+
+What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
+plain steps broken, rows out of step) a guard measures: it runs windows of steps with the
+policy's choices and windows of plain decoding alone, and where the policy's realise less
+per second at a batch size, decodes plainly there but for a window now and then (`_Guard`).
 """
 
 from __future__ import annotations
@@ -195,6 +200,79 @@ class _Costs:
         self.fits[arms] = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * extra)
 
 
+class _Guard:
+    """What the policy's choices realise against plain decoding alone, per batch size.
+
+    The step costs the policy predicts leave out what only shows over many steps: the
+    model drafters' catch-ups and joins as rows come and go, a pipeline of plain steps
+    broken by each speculative one, rows out of step. So steps run in windows of `window`
+    steps, each either the policy's (speculation allowed) or plain decoding's alone, and
+    per batch size and set of drafters the rows have, the guard keeps each kind's tokens
+    per second over its recent steps (decayed by `decay` per step; the policy's
+    speculative and plain steps alike), leaving out the first `settle` steps after a
+    change of kind (what the last kind left behind: a drafter's backlog, a pipeline to
+    start again). The kind that realised more leads; the other runs one window in every
+    `|ratio - 1| / budget` (`least` .. `most`), so that it stays measured at an expected
+    cost of about `budget` of the time. A batch size with no plain windows yet runs one
+    after `first` of the policy's (a size that persists, not one passed through).
+    """
+
+    def __init__(self, window=16, settle=4, budget=0.01, least=4, most=64, decay=0.98, first=3):
+        self.window, self.settle, self.budget, self.decay = window, settle, budget, decay
+        self.least, self.most, self.first = least, most, first
+        # (B, drafters, plain) -> decayed tokens, seconds, steps
+        self.rates: dict[tuple[int, tuple, bool], list[float]] = {}
+        self.since: dict[tuple, int] = {}  # (B, drafters) -> windows since the trailing kind
+        self.arms: tuple = ()  # the drafters the current window's rows have
+        self.plain = False  # the current window decodes plainly
+        self.left = 0  # its steps still to run
+        self.unsettled = 0  # steps still to leave out since the kind changed
+
+    def ratio(self, rows: int, arms: tuple) -> float | None:
+        """Tokens per second of the policy's windows over plain ones at `rows` rows with
+        drafters `arms` (or a size one away, where `rows` has not both); None where neither
+        has."""
+        for b in sorted((rows, rows - 1, rows + 1), key=lambda b: (abs(b - rows), -b)):
+            mine, plain = self.rates.get((b, arms, False)), self.rates.get((b, arms, True))
+            if mine and plain and min(mine[2], plain[2]) >= 4 and mine[1] and plain[1]:
+                return (mine[0] / mine[1]) / (plain[0] / plain[1])
+        return None
+
+    def leads_plain(self, rows: int) -> bool:
+        """Whether plain decoding realised more at `rows` rows (with the drafters of the
+        rows of late)."""
+        ratio = self.ratio(rows, self.arms)
+        return ratio is not None and ratio < 1.0
+
+    def forced(self, rows: int, arms: tuple) -> bool:
+        """Whether the next step (of `rows` rows, with drafters `arms`) decodes plainly, the
+        policy unasked."""
+        if self.left <= 0 or arms != self.arms:
+            self.arms = arms
+            ratio = self.ratio(rows, arms)
+            if ratio is None:
+                lead, every = False, self.first
+            else:
+                lead = ratio < 1.0
+                every = int(min(self.most, max(self.least, abs(ratio - 1.0) / self.budget)))
+            behind = self.since.get((rows, arms), 0) + 1
+            plain = lead if behind < every else not lead
+            self.since[rows, arms] = behind if behind < every else 0
+            if plain != self.plain:
+                self.plain, self.unsettled = plain, self.settle
+            self.left = self.window
+        self.left -= 1
+        return self.plain
+
+    def observe(self, rows: int, plain: bool, tokens: int, seconds: float) -> None:
+        if self.unsettled > 0:
+            self.unsettled -= 1
+            return
+        entry = self.rates.setdefault((rows, self.arms, plain), [0.0, 0.0, 0.0])
+        d = self.decay
+        entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
+
+
 @dataclass
 class BatchChoice:
     """K for the step and, per row, (arm or None, k)."""
@@ -204,6 +282,9 @@ class BatchChoice:
     probe: bool = False
     catch_up: int = 0  # the catch-up tokens of the step (see `_Costs`)
     only: int | None = None  # the one drafter a group's rows draft with (None: each its best)
+    # The guard's window the step runs in (`_Guard`): "plain" (the policy unasked), "policy",
+    # or None (the guard stood aside: no row can draft, or one drafts a fixed k).
+    window: str | None = None
 
 
 class BatchDraftPolicy:
@@ -226,6 +307,8 @@ class BatchDraftPolicy:
         min_share, probe_join, use_decay: `join_pays` (see the module): the share of steps
             (decayed by `use_decay` per step of the same batch size) below which a joining
             row skips a model drafter, and every how many skipped rows one joins anyway.
+        guard: check the policy's choices against plain decoding alone over windows of steps
+            (`_Guard`), and decode plainly where they realise less.
         recheck: while plain decoding wins, the rows' asks unchanged (the same rows, drafters
             and drafts to be had) and no probe due, the full comparison runs every this many
             steps only (the others repeat its answer): speculation grows no likelier as its
@@ -254,6 +337,7 @@ class BatchDraftPolicy:
         probe_join: int = 8,
         use_decay: float = 0.95,
         recheck: int = 4,
+        guard: bool = True,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -277,6 +361,7 @@ class BatchDraftPolicy:
         self._use: dict[int, list] = {}
         self._offered: set[int] | None = None  # the arms the last choice's rows had (None: all)
         self._turned_away = [0] * len(self.arms)  # rows that skipped each arm since one joined
+        self.guard = _Guard() if guard else None
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -371,6 +456,17 @@ class BatchDraftPolicy:
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
         self._offered = {arm for ask in asks for arm in ask.arms}
+        free = all(ask.fixed is None for ask in asks) and any(ask.arms for ask in asks)
+        window = None
+        if self.guard is not None and free and self._plain_seen >= 2:
+            if self.guard.forced(len(asks), tuple(sorted(self._offered))):
+                return BatchChoice(0, [(None, 0)] * len(asks), window="plain")
+            window = "policy"
+        choice = self._choose(asks)
+        choice.window = window
+        return choice
+
+    def _choose(self, asks: list[RowAsk]) -> BatchChoice:
         signature = self._signature(asks)
         quiet = self._quiet
         if quiet is not None and quiet[0] == signature and quiet[1] > 0:
@@ -492,7 +588,9 @@ class BatchDraftPolicy:
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
-        return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only)
+        new = self._choice(asks, choice.num_draft, rows, choice.probe, choice.only)
+        new.window = choice.window
+        return new
 
     def join_pays(self, arm: int, rows: int, probe: bool = True) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt:
@@ -503,7 +601,8 @@ class BatchDraftPolicy:
         blindly: a late join feeds the drafter a whole history."""
         steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
         seen = steps >= 4.0
-        if (used >= self.min_share * steps) if seen else self._predicts(arm, rows):
+        pays = (used >= self.min_share * steps) if seen else self._predicts(arm, rows)
+        if pays and not (self.guard is not None and self.guard.leads_plain(rows)):
             return True
         if not probe:
             return False
@@ -547,12 +646,24 @@ class BatchDraftPolicy:
     # --- observations ------------------------------------------------------------------------
 
     def observe(
-        self, rows: list[tuple[int | None, int]], outcomes, seconds: float, catch_up: int = 0
+        self,
+        rows: list[tuple[int | None, int]],
+        outcomes,
+        seconds: float,
+        catch_up: int = 0,
+        window: str | None = None,
     ) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
-        accepted); it took `seconds`, `catch_up` tokens of it catching up (`BatchChoice`)."""
+        accepted); it took `seconds`, `catch_up` tokens of it catching up, in the guard's
+        `window` (`BatchChoice`)."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
-        self._count_use(rows)
+        if self.guard is not None and window is not None:
+            tokens = len(rows) + sum(n for _, n in outcomes)
+            self.guard.observe(len(rows), window == "plain", tokens, seconds)
+        if window == "plain":  # says nothing of whether the policy drafts at this size
+            self._offered = None
+        else:
+            self._count_use(rows)
         if any(k for _, k in rows):
             self._quiet = None  # acceptance and costs of speculation moved
         else:

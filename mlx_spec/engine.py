@@ -671,12 +671,15 @@ class BatchEngine:
         if self.sync is None:
             return choice
         only = -1 if choice.only is None else choice.only
-        flat = [choice.num_draft, int(choice.probe), choice.catch_up, only]
+        window = [None, "policy", "plain"].index(choice.window)
+        flat = [choice.num_draft, int(choice.probe), choice.catch_up, only, window]
         for arm, k in choice.rows:
             flat += [-1 if arm is None else arm, k]
         flat = self.sync.share_ints(flat)
-        rows = [(None if a < 0 else a, k) for a, k in zip(flat[4::2], flat[5::2], strict=True)]
-        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], None if flat[3] < 0 else flat[3])
+        rows = [(None if a < 0 else a, k) for a, k in zip(flat[5::2], flat[6::2], strict=True)]
+        only = None if flat[3] < 0 else flat[3]
+        window = [None, "policy", "plain"][flat[4]]
+        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, window)
 
     # --- plain steps, pipelined -------------------------------------------------------------
 
@@ -744,7 +747,8 @@ class BatchEngine:
         now = time.perf_counter()
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
-            self.policy.observe(choice.rows, [(0, 0)] * len(choice.rows), seconds)
+            outcomes = [(0, 0)] * len(choice.rows)
+            self.policy.observe(choice.rows, outcomes, seconds, window=choice.window)
             self._join_spent = 0.0
             if self.trace is not None:  # a pipelined step: its time is its pass's
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
@@ -808,7 +812,7 @@ class BatchEngine:
         # leaving are the step's too), prefill work apart, the drafters' joins included.
         spent = self._prefill_spent - self._join_spent
         seconds = time.perf_counter() - self._last_settle - spent
-        self.policy.observe(choice.rows, outcomes, seconds, choice.catch_up)
+        self.policy.observe(choice.rows, outcomes, seconds, choice.catch_up, choice.window)
         self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, 0.0
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]

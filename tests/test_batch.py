@@ -626,7 +626,7 @@ def drive(
         seconds = 1e-3 * (1 + token_cost * rows * width + 0.2 * (width - 1))
         if cost is not None:
             seconds = cost(width)
-        policy.observe(choice.rows, outcomes, seconds)
+        policy.observe(choice.rows, outcomes, seconds, window=choice.window)
     return ks
 
 
@@ -649,7 +649,8 @@ def test_batch_policy_learns_a_width_that_costs_less_than_its_neighbours():
     def cost(width):
         return widths.get(width, 10e-3 * width) + 4e-3 * (width > 1)  # + drafting
 
-    ks = drive(BatchDraftPolicy(["draft"]), rows=8, accept=0.75, token_cost=0, cost=cost)
+    policy = BatchDraftPolicy(["draft"], guard=False)  # the policy's own choices
+    ks = drive(policy, rows=8, accept=0.75, token_cost=0, cost=cost)
     assert sum(k == 1 for k in ks[-100:]) >= 80
 
 
@@ -664,7 +665,7 @@ def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
     def cost(width):
         return steps.get(width, 10e-3 * width)
 
-    policy, rng = BatchDraftPolicy(["mtp"]), random.Random(1)
+    policy, rng = BatchDraftPolicy(["mtp"], guard=False), random.Random(1)  # its own choices
     for _ in range(10):
         policy.observe([(None, 0)] * 8, [(0, 0)] * 8, cost(1))
     for k in [2, 3, 4] * 30:
@@ -700,7 +701,8 @@ def _group_steps(asks, steps: int, head_ms: float, seed: int) -> list[tuple[int,
             outcomes.append((k, n))
         big_k = max(k for _, k in choice.rows)
         head = any(arm == 0 and k for arm, k in choice.rows)
-        policy.observe(choice.rows, outcomes, 1e-3 * (10 + big_k + head_ms * big_k * head))
+        seconds = 1e-3 * (10 + big_k + head_ms * big_k * head)
+        policy.observe(choice.rows, outcomes, seconds, window=choice.window)
         out.append((big_k, head))
     return out
 
@@ -815,15 +817,59 @@ def test_the_policy_stops_its_search_past_the_best_k_without_changing_its_choice
         for _, k in choice.rows:
             outcomes.append((k, sum(1 for _ in range(k) if rng.random() < accept)))
         width = 1 + choice.num_draft
-        policy.observe(choice.rows, outcomes, 1e-3 * (1 + token_cost * rows * width + 0.2 * width))
+        seconds = 1e-3 * (1 + token_cost * rows * width + 0.2 * width)
+        policy.observe(choice.rows, outcomes, seconds, window=choice.window)
     assert planned["cut"] < planned["full"]
+
+
+def _realised(
+    policy: BatchDraftPolicy, spec_ms: float, hidden_ms: float, steps: int = 800
+) -> tuple[float, float]:
+    """Tokens per ms over `steps` of 8 rows (acceptance 0.5): a plain step costs 10 ms, a
+    speculative one `spec_ms` + 4 ms per draft; each of the 3 plain steps after a speculative
+    one costs `hidden_ms` more (what the step costs leave out: a pipeline of plain steps to
+    start again, rows out of step). Returns the rate and the share of plain steps."""
+    rng, since, tokens, ms, plain = random.Random(4), 99, 0, 0.0, 0
+    for _ in range(steps):
+        asks = [RowAsk([0], None, 8, [None]) for _ in range(8)]
+        choice = policy.choose(asks)
+        outcomes = []
+        for _, k in choice.rows:
+            n = 0
+            while n < k and rng.random() < 0.5:
+                n += 1
+            outcomes.append((k, n))
+        if choice.num_draft:
+            cost, since = spec_ms + 4 * choice.num_draft, 0
+        else:
+            cost, since = 10 + (hidden_ms if since < 3 else 0), since + 1
+            plain += 1
+        tokens += sum(1 + n for _, n in outcomes)
+        ms += cost
+        policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window)
+    return tokens / ms, plain / steps
+
+
+def test_the_guard_decodes_plainly_where_speculation_realises_less():
+    """Plain steps after a speculative one cost 8 ms more, which a step's own cost cannot
+    show: a plain step looks dear, so the policy alone speculates (a step of K = 1 costs
+    16.5 ms for 12 tokens) and realises about 0.72 tokens/ms against plain decoding's 0.8;
+    its guard, comparing windows of the policy's steps with plain ones, decodes plainly
+    nearly all the time. Where speculation pays despite that cost (12 ms a step of K = 1),
+    the guard's plain windows cost it little."""
+    alone, _ = _realised(BatchDraftPolicy(["draft"], guard=False), spec_ms=12.5, hidden_ms=8)
+    guarded, share = _realised(BatchDraftPolicy(["draft"]), spec_ms=12.5, hidden_ms=8)
+    assert alone < 0.74 and guarded > 0.76 and share > 0.85
+    alone, _ = _realised(BatchDraftPolicy(["draft"], guard=False), spec_ms=8, hidden_ms=8)
+    guarded, share = _realised(BatchDraftPolicy(["draft"]), spec_ms=8, hidden_ms=8)
+    assert alone > 0.9 and guarded > 0.97 * alone and share < 0.15
 
 
 def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():
     """While plain decoding wins, rows unchanged, the full comparison runs on every
     `recheck`-th step only; a change in what rows can draft (a lookup that found a match)
     runs it at once, and probes still come on schedule."""
-    policy = BatchDraftPolicy(["ngram"], recheck=4)
+    policy = BatchDraftPolicy(["ngram"], recheck=4, guard=False)
     drive(policy, rows=8, accept=0.8, token_cost=1.0, steps=200)  # compute-bound: plain
     full = []
     policy._gains = lambda own=policy._gains: full.append(1) or own()
@@ -838,7 +884,8 @@ def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():
         ks.append(choice.num_draft)
         evaluated.append(len(full) > before)
         outcomes = [(k, 0) for _, k in choice.rows]
-        policy.observe(choice.rows, outcomes, 1e-3 * (1 + 8 * (1 + choice.num_draft)))
+        seconds = 1e-3 * (1 + 8 * (1 + choice.num_draft))
+        policy.observe(choice.rows, outcomes, seconds, window=choice.window)
     probes = [i for i, k in enumerate(ks) if k]
     assert len(ks) - len(probes) > 30 and probes
     assert evaluated[21] and all(evaluated[i] for i in probes)
@@ -847,7 +894,7 @@ def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():
     full.clear()
     for _ in range(10):
         choice = policy.choose(asks)
-        policy.observe(choice.rows, [(k, 0) for _, k in choice.rows], 0.01)
+        policy.observe(choice.rows, [(k, 0) for _, k in choice.rows], 0.01, window=choice.window)
     assert len(full) >= 9  # (the first may still repeat the answer it held)
 
 
@@ -932,9 +979,9 @@ def test_a_speculative_step_is_charged_its_drafters_joins(loaded):
         time.sleep(0.05)
         events.append("join")
 
-    def record(rows, outcomes, seconds, catch_up=0):
+    def record(rows, outcomes, seconds, catch_up=0, window=None):
         events.append((any(k for _, k in rows), seconds))
-        observe(rows, outcomes, seconds, catch_up)
+        observe(rows, outcomes, seconds, catch_up, window)
 
     drafter.join, engine.policy.observe = slow_join, record
     always_draft(engine, 0)
