@@ -21,9 +21,10 @@ a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound
 `--compare-threads` adds plain decoding with every BLAS thread on every pass (on a CPU the
 engine otherwise sets the BLAS threads per pass width, `mlx_spec.blas_threads`).
 `--compare-joins` adds each speculative mode with every joining row taken in by every model
-drafter it may use (the policy's `join_pays` off), and `--compare-plain-when-full` each with
+drafter it may use (the policy's `join_pays` off), `--compare-plain-when-full` each with
 plain steps forced whenever the batch holds N rows (an experiment: what speculation in a full
-batch gains or loses, all its costs counted).
+batch gains or loses, all its costs counted), and `--compare-guard` each with the policy's
+guard off (its windows of plain decoding alone, `batch_policy._Guard`).
 
 `--trace` prints, under each mode, where its steps' time went (the engine's `StepTrace`:
 building the drafters' graphs, queueing them, building the verifying pass, waiting for it,
@@ -85,6 +86,7 @@ def run_engine(
     join_share: float | None = None,
     plain_when_full: bool = False,
     delay: float = 0.0,
+    guard: bool = True,
 ):
     """Each client's first request queued at once, each next one when the client's last
     finished; step to the end. Returns (tokens generated, seconds, acceptance). With more
@@ -92,7 +94,7 @@ def run_engine(
     BLAS keeps all its threads for every pass (no `BlasThreads` plan); `join_share`: the
     policy's `min_share` for the run; `plain_when_full`: plain steps whenever the batch is
     full; `delay`: seconds between a request's end and its client's next request (a
-    server's round trip; 0: queued at once)."""
+    server's round trip; 0: queued at once); `guard`: False turns the policy's guard off."""
     finals = []
     pending: list[tuple[float, list, int]] = []  # (when, client, request) not yet sent
     drafter = None if mode == "plain" else mode
@@ -121,7 +123,9 @@ def run_engine(
     if every_thread and plan is not None:
         engine.threads = None
         plan.reset()
-    policy, share = engine.policy, engine.policy.min_share
+    policy, share, kept = engine.policy, engine.policy.min_share, engine.policy.guard
+    if not guard:
+        policy.guard = None
     if join_share is not None:
         policy.min_share = join_share
     if plain_when_full:
@@ -145,7 +149,7 @@ def run_engine(
         seconds = time.perf_counter() - tic
     finally:
         engine.threads = plan
-        policy.min_share = share
+        policy.min_share, policy.guard = share, kept
         policy.__dict__.pop("choose", None)
     drafted = sum(s.drafted for s in finals)
     accepted = sum(s.accepted for s in finals)
@@ -264,6 +268,8 @@ def configurations(engine, model, batch, args) -> list:
         out += [(f"{m}, every join", lambda m=m: run(m, join_share=0.0)) for m in spec]
     if args.compare_plain_when_full:
         out += [(f"{m}, plain when full", lambda m=m: run(m, plain_when_full=True)) for m in spec]
+    if args.compare_guard:
+        out += [(f"{m}, no guard", lambda m=m: run(m, guard=False)) for m in spec]
     peer = lambda: run_peer(model, batch, args.max_tokens, args.temperature, delay)  # noqa: E731
     out.append(("mlx-lm", peer))
     return out
@@ -324,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-plain-when-full",
         action="store_true",
         help="also run each speculative mode with plain steps whenever the batch is full",
+    )
+    p.add_argument(
+        "--compare-guard",
+        action="store_true",
+        help="also run each speculative mode with the policy's guard off (no windows of plain "
+        "decoding alone to check its choices against)",
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

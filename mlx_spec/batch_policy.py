@@ -224,6 +224,7 @@ class _Guard:
         self.rates: dict[tuple[int, tuple, bool], list[float]] = {}
         self.since: dict[tuple, int] = {}  # (B, drafters) -> windows since the trailing kind
         self.arms: tuple = ()  # the drafters the current window's rows have
+        self.latest: dict[int, tuple] = {}  # drafter -> the drafters of the last window with it
         self.plain = False  # the current window decodes plainly
         self.left = 0  # its steps still to run
         self.unsettled = 0  # steps still to leave out since the kind changed
@@ -238,10 +239,11 @@ class _Guard:
                 return (mine[0] / mine[1]) / (plain[0] / plain[1])
         return None
 
-    def leads_plain(self, rows: int) -> bool:
-        """Whether plain decoding realised more at `rows` rows (with the drafters of the
-        rows of late)."""
-        ratio = self.ratio(rows, self.arms)
+    def leads_plain(self, rows: int, arm: int) -> bool:
+        """Whether plain decoding realised more at `rows` rows than the policy's steps with
+        drafter `arm` (among the drafters its rows had in the last window they had it)."""
+        arms = self.latest.get(arm)
+        ratio = None if arms is None else self.ratio(rows, arms)
         return ratio is not None and ratio < 1.0
 
     def forced(self, rows: int, arms: tuple) -> bool:
@@ -249,6 +251,7 @@ class _Guard:
         policy unasked."""
         if self.left <= 0 or arms != self.arms:
             self.arms = arms
+            self.latest.update((arm, arms) for arm in arms)
             ratio = self.ratio(rows, arms)
             if ratio is None:
                 lead, every = False, self.first
@@ -602,7 +605,7 @@ class BatchDraftPolicy:
         steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
         seen = steps >= 4.0
         pays = (used >= self.min_share * steps) if seen else self._predicts(arm, rows)
-        if pays and not (self.guard is not None and self.guard.leads_plain(rows)):
+        if pays and not (self.guard is not None and self.guard.leads_plain(rows, arm)):
             return True
         if not probe:
             return False
