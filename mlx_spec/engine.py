@@ -356,6 +356,8 @@ class BatchEngine:
         `prefill_step` tokens in all), then a decoding step of the batch."""
         self._drop_cancelled()
         tic = time.perf_counter()
+        if not self.active and self._ahead is None:  # idle until now: no step's time
+            self._last_settle, self._prefill_spent, self._join_spent = tic, 0.0, 0.0
         if self._joining is None:
             self._joining = self._form_group()
         if self._joining is not None:

@@ -992,6 +992,27 @@ def test_a_speculative_step_is_charged_its_drafters_joins(loaded):
     assert speculative and all(seconds >= 0.05 for seconds in speculative), events
 
 
+def test_an_idle_engine_charges_no_step_its_idle_time(loaded):
+    """A request that comes after the engine stood idle (a single user's next message): no
+    step's observed time includes the wait (it would price speculation, or the guard's
+    windows, by a pause of the user's)."""
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(model, with_eos(tok), {"draft-model": BatchDraftModel(draft)})
+    seconds, observe = [], engine.policy.observe
+
+    def record(rows, outcomes, spent, catch_up=0, window=None):
+        seconds.append(spent)
+        observe(rows, outcomes, spent, catch_up, window)
+
+    engine.policy.observe = record
+    always_draft(engine, 0)
+    requests = busy_requests(scored_vocab(model, tok), "draft-model", "auto", n=2)
+    run_all(engine, requests[:1])
+    time.sleep(0.3)
+    run_all(engine, requests[1:])
+    assert seconds and max(seconds) < 0.3
+
+
 def test_batchable_families(loaded):
     """Attention caches batch; recurrent state (qwen3_5's gated delta-net) does not."""
     assert batchable(loaded["llama"][0]) and batchable(loaded["gemma3"][0])
