@@ -209,12 +209,14 @@ class _Guard:
     steps, each either the policy's (speculation allowed) or plain decoding's alone, and
     per batch size and set of drafters the rows have, the guard keeps each kind's tokens
     per second over its recent steps (decayed by `decay` per step; the policy's
-    speculative and plain steps alike), leaving out the first `settle` steps after a
-    change of kind (what the last kind left behind: a drafter's backlog, a pipeline to
-    start again). The kind that realised more leads; the other runs one window in every
-    `|ratio - 1| / budget` (`least` .. `most`), so that it stays measured at an expected
-    cost of about `budget` of the time. A batch size with no plain windows yet runs one
-    after `first` of the policy's (a size that persists, not one passed through).
+    speculative and plain steps alike). What a switch costs is the policy's: its first
+    steps after plain ones pay the model drafters' backlog, and the first `settle` plain
+    steps after its window count as its own (they pay what it left behind: a pipeline to
+    start again, rows out of step). The kind that realised more leads; the other runs one
+    window in every `|ratio - 1| / budget` (`least` .. `most`), so that it stays measured
+    at an expected cost of about `budget` of the time. A batch size with no plain windows
+    yet runs one after `first` of the policy's (a size that persists, not one passed
+    through).
     """
 
     def __init__(self, window=16, settle=4, budget=0.01, least=4, most=64, decay=0.98, first=3):
@@ -227,7 +229,7 @@ class _Guard:
         self.latest: dict[int, tuple] = {}  # drafter -> the drafters of the last window with it
         self.plain = False  # the current window decodes plainly
         self.left = 0  # its steps still to run
-        self.unsettled = 0  # steps still to leave out since the kind changed
+        self.unsettled = 0  # plain steps still to count as the policy's window's
 
     def ratio(self, rows: int, arms: tuple) -> float | None:
         """Tokens per second of the policy's windows over plain ones at `rows` rows with
@@ -262,15 +264,14 @@ class _Guard:
             plain = lead if behind < every else not lead
             self.since[rows, arms] = behind if behind < every else 0
             if plain != self.plain:
-                self.plain, self.unsettled = plain, self.settle
+                self.plain, self.unsettled = plain, self.settle if plain else 0
             self.left = self.window
         self.left -= 1
         return self.plain
 
     def observe(self, rows: int, plain: bool, tokens: int, seconds: float) -> None:
-        if self.unsettled > 0:
-            self.unsettled -= 1
-            return
+        if plain and self.unsettled > 0:
+            self.unsettled, plain = self.unsettled - 1, False
         entry = self.rates.setdefault((rows, self.arms, plain), [0.0, 0.0, 0.0])
         d = self.decay
         entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]

@@ -1,0 +1,189 @@
+"""Batched speculation against batched plain decoding, interleaved chunk by chunk.
+
+Two batch engines on the same target (the embedded pair's, float32) serve N clients each under
+steady turnover: every client sends its next request (an 80-token prompt from the held-out
+files, 64 tokens, EOS off) as soon as its last one ends. Engine A's requests decode plainly,
+engine B's with a drafter (draft length `auto`: the batch policy and its guard choose). The
+two take turns of `--chunk-steps` steps, each turn timed to the end of its work (the queued
+pass included), so that the machine's drift (a shared 2-core CPU drifts by a quarter between
+runs and more within one) falls on both alike; the first `--warm-chunks` turns of each are not
+counted. Reported: B's tokens per second over A's (over all counted turns, and the median of
+the turns' ratios), and the share of B's steps that drafted, that
+ran in the guard's plain windows, and that were the policy's own plain steps.
+
+Run: `python benchmarks/batch_ab.py --concurrency 1 4 8 --json benchmarks/results/batch_ab.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before anything imports mlx)
+from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
+from mlx_spec.bench import machine_info
+from mlx_spec.engine import BatchEngine, BatchRequest
+from mlx_spec.prompt_cache import RowCache
+from mlx_spec.sampling import SamplingConfig
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from batch_engine import scored_vocab  # noqa: E402
+
+MODES = ["ngram", "draft-model", "mtp", "all"]
+
+
+class Clients:
+    """An engine serving `n` clients under steady turnover; counts the tokens streamed, and
+    (with a drafter) the steps by kind."""
+
+    def __init__(self, engine: BatchEngine, prompts: list, n: int, drafter, max_tokens: int):
+        self.engine, self.prompts, self.drafter = engine, prompts, drafter
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.steps: collections.Counter = collections.Counter()
+        engine.row_cache = RowCache()
+        if drafter is not None:
+            choose = engine.policy.choose
+
+            def counted(asks):
+                choice = choose(asks)
+                kind = "plain window" if choice.window == "plain" else (
+                    "drafted" if choice.num_draft else "policy plain"
+                )  # fmt: skip
+                self.steps[kind] += 1
+                return choice
+
+            engine.policy.choose = counted
+        for i in range(n):
+            self.submit(i, i)
+
+    def submit(self, client: int, k: int) -> None:
+        def emit(item):
+            if isinstance(item, Exception):
+                raise item
+            if item.token is not None:
+                self.tokens += 1
+            else:
+                self.submit(client, k + len(self.prompts) // 2)
+
+        self.engine.add(
+            BatchRequest(
+                self.prompts[k % len(self.prompts)], SamplingConfig(temperature=0.0),
+                self.max_tokens, emit, drafter=self.drafter,
+                num_draft="auto" if self.drafter else 0,
+            )
+        )  # fmt: skip
+
+    def turn(self, steps: int) -> float:
+        """Run `steps` steps; seconds, to the end of the work they queued."""
+        tic = time.perf_counter()
+        # The other engine's turn is no step's time (as an engine's idle time is not).
+        self.engine._last_settle = tic
+        for _ in range(steps):
+            self.engine.step()
+        mx.synchronize()
+        return time.perf_counter() - tic
+
+
+def measure(model, tokenizer, vocab, drafters, prompts, n: int, mode: str, args) -> dict:
+    engines = []
+    for drafter in (None, mode):
+        engine = BatchEngine(model, tokenizer, vocab, drafters(), max_batch=n, prefill_step=4096)
+        engines.append(Clients(engine, prompts, n, drafter, args.max_tokens))
+    seconds = [0.0, 0.0]
+    tokens = [0, 0]
+    per_chunk = []
+    for chunk in range(args.warm_chunks + args.chunks):
+        order = (0, 1) if chunk % 2 else (1, 0)
+        spent = [0.0, 0.0]
+        before = [c.tokens for c in engines]
+        for i in order:
+            spent[i] = engines[i].turn(args.chunk_steps)
+        if chunk >= args.warm_chunks:
+            for i in (0, 1):
+                seconds[i] += spent[i]
+                tokens[i] += engines[i].tokens - before[i]
+            made = [engines[i].tokens - before[i] for i in (0, 1)]
+            per_chunk.append((made[1] / spent[1]) / (made[0] / spent[0]))
+    rates = [t / s for t, s in zip(tokens, seconds, strict=True)]
+    steps = engines[1].steps
+    total = sum(steps.values()) or 1
+    return {
+        "concurrency": n,
+        "mode": mode,
+        "plain_tokens_per_sec": rates[0],
+        "tokens_per_sec": rates[1],
+        "over_plain": rates[1] / rates[0],
+        "over_plain_per_turn_median": statistics.median(per_chunk),
+        "steps": {kind: count / total for kind, count in sorted(steps.items())},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=80)
+    p.add_argument("--chunk-steps", type=int, default=40, help="steps per turn (default 40)")
+    p.add_argument("--chunks", type=int, default=30, help="turns of each engine counted")
+    p.add_argument("--warm-chunks", type=int, default=6, help="turns of each not counted")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    from mlx_spec.embedded import converted_pair, stdlib_files
+
+    target_dir, draft_dir = converted_pair()
+    model, tokenizer = mlx_spec.load(str(target_dir))
+    draft, _ = mlx_spec.load(str(draft_dir))
+    head = mlx_spec.load_mtp_drafter(str(target_dir), model)
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
+    texts = [f.read_text(errors="replace") for f in stdlib_files()[1]]
+    prompts = [tokenizer.encode(t)[: args.prompt_tokens] for t in texts]
+    vocab = scored_vocab(model, tokenizer)
+
+    def drafters() -> dict:
+        return {
+            "ngram": BatchNgram(),
+            "draft-model": BatchDraftModel(draft),
+            "mtp": BatchMTP(head.module),
+        }
+
+    results = []
+    for n in args.concurrency:
+        for mode in args.modes:
+            row = measure(model, tokenizer, vocab, drafters, prompts, n, mode, args)
+            results.append(row)
+            shares = "  ".join(f"{k} {v:.0%}" for k, v in row["steps"].items())
+            print(
+                f"N={n:<2} {mode:>12}: {row['tokens_per_sec']:7.1f} tok/s against plain "
+                f"{row['plain_tokens_per_sec']:7.1f}: {row['over_plain']:.3f}x  "
+                f"(per turn, median {row['over_plain_per_turn_median']:.3f})  steps: {shares}",
+                flush=True,
+            )
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        **machine_info(),
+        "device": str(mx.default_device()),
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "chunk_steps": args.chunk_steps,
+        "chunks": args.chunks,
+        "results": results,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
