@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
-import json
 import statistics
 import sys
 import time
@@ -27,7 +25,6 @@ from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before anything imports mlx)
 from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
-from mlx_spec.bench import machine_info
 from mlx_spec.engine import BatchEngine, BatchRequest
 from mlx_spec.prompt_cache import RowCache
 from mlx_spec.sampling import SamplingConfig
@@ -35,7 +32,7 @@ from mlx_spec.sampling import SamplingConfig
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batch_engine import scored_vocab  # noqa: E402
+from batch_engine import embedded_pair, write_record  # noqa: E402
 
 MODES = ["ngram", "draft-model", "mtp", "all"]
 
@@ -139,23 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
-    from mlx_spec.embedded import converted_pair, stdlib_files
-
-    target_dir, draft_dir = converted_pair()
-    model, tokenizer = mlx_spec.load(str(target_dir))
-    draft, _ = mlx_spec.load(str(draft_dir))
-    head = mlx_spec.load_mtp_drafter(str(target_dir), model)
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
-    texts = [f.read_text(errors="replace") for f in stdlib_files()[1]]
-    prompts = [tokenizer.encode(t)[: args.prompt_tokens] for t in texts]
-    vocab = scored_vocab(model, tokenizer)
+    pair = embedded_pair(args.prompt_tokens)
+    model, tokenizer, prompts, vocab = pair.model, pair.tokenizer, pair.prompts, pair.vocab
 
     def drafters() -> dict:
         return {
             "ngram": BatchNgram(),
-            "draft-model": BatchDraftModel(draft),
-            "mtp": BatchMTP(head.module),
+            "draft-model": BatchDraftModel(pair.draft),
+            "mtp": BatchMTP(pair.head.module),
         }
 
     results = []
@@ -170,18 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"(per turn, median {row['over_plain_per_turn_median']:.3f})  steps: {shares}",
                 flush=True,
             )
-    record = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        **machine_info(),
-        "device": str(mx.default_device()),
-        "max_tokens": args.max_tokens,
-        "prompt_tokens": args.prompt_tokens,
-        "chunk_steps": args.chunk_steps,
-        "chunks": args.chunks,
-        "results": results,
-    }
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2))
+        write_record(
+            args.json, argv, results, max_tokens=args.max_tokens,
+            prompt_tokens=args.prompt_tokens, chunk_steps=args.chunk_steps, chunks=args.chunks,
+        )  # fmt: skip
     return 0
 
 

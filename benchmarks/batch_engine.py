@@ -51,6 +51,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
@@ -275,6 +276,48 @@ def configurations(engine, model, batch, args) -> list:
     return out
 
 
+@dataclass
+class EmbeddedPair:
+    """The embedded pair as the engine benchmarks use it: the target (its tokenizer with EOS
+    off, so that every request generates exactly max_tokens), the draft model, the MTP head,
+    prompts from the held-out files and the vocabulary the target scores."""
+
+    target_dir: Path
+    model: object
+    tokenizer: object
+    draft: object
+    head: object
+    prompts: list
+    vocab: int
+
+
+def embedded_pair(prompt_tokens: int) -> EmbeddedPair:
+    from mlx_spec.embedded import converted_pair, stdlib_files
+
+    target_dir, draft_dir = converted_pair()
+    model, tokenizer = mlx_spec.load(str(target_dir))
+    draft, _ = mlx_spec.load(str(draft_dir))
+    head = mlx_spec.load_mtp_drafter(str(target_dir), model)
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.eos_token_ids = set()
+    texts = [f.read_text(errors="replace") for f in stdlib_files()[1]]
+    prompts = [tokenizer.encode(t)[:prompt_tokens] for t in texts]
+    vocab = scored_vocab(model, tokenizer)
+    return EmbeddedPair(target_dir, model, tokenizer, draft, head, prompts, vocab)
+
+
+def write_record(path: str, argv, results: list, **settings) -> None:
+    """A results file: the command, the machine, the run's settings and its results."""
+    record = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        **machine_info(),
+        "device": str(mx.default_device()),
+        **settings,
+        "results": results,
+    }
+    Path(path).write_text(json.dumps(record, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -340,17 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
-    from mlx_spec.embedded import converted_pair, stdlib_files
-
-    target_dir, draft_dir = converted_pair()
-    model, tokenizer = mlx_spec.load(str(target_dir))
-    draft, _ = mlx_spec.load(str(draft_dir))
-    head = mlx_spec.load_mtp_drafter(str(target_dir), model)
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.eos_token_ids = set()  # every request generates exactly max_tokens
-    texts = [f.read_text(errors="replace") for f in stdlib_files()[1]]
-    prompts = [tokenizer.encode(t)[: args.prompt_tokens] for t in texts]
-    vocab = scored_vocab(model, tokenizer)
+    pair = embedded_pair(args.prompt_tokens)
+    target_dir, model, tokenizer = pair.target_dir, pair.model, pair.tokenizer
+    draft, head, prompts, vocab = pair.draft, pair.head, pair.prompts, pair.vocab
     drafters = {
         "ngram": BatchNgram(),
         "draft-model": BatchDraftModel(draft),
@@ -401,19 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             if traces.get(name):
                 print_trace(traces[name], walls[name])
-    record = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        **machine_info(),
-        "device": str(mx.default_device()),
-        "max_tokens": args.max_tokens,
-        "prompt_tokens": args.prompt_tokens,
-        "requests": args.requests,
-        "temperature": args.temperature,
-        "repeats": args.repeats,
-        "results": results,
-    }
     if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2))
+        write_record(
+            args.json, argv, results, max_tokens=args.max_tokens,
+            prompt_tokens=args.prompt_tokens, requests=args.requests,
+            temperature=args.temperature, repeats=args.repeats,
+        )  # fmt: skip
     return 0
 
 
