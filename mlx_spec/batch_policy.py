@@ -277,6 +277,9 @@ class _Guard:
         entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
 
 
+WINDOWS = (None, "policy", "plain")  # `BatchChoice.window`'s values
+
+
 @dataclass
 class BatchChoice:
     """K for the step and, per row, (arm or None, k)."""
@@ -586,15 +589,15 @@ class BatchDraftPolicy:
 
         return min(candidates, key=known)
 
-    def _choice(self, asks, big_k: int, rows, probe: bool = False, only=None) -> BatchChoice:
-        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows), only)
+    def _choice(
+        self, asks, big_k: int, rows, probe: bool = False, only=None, window=None
+    ) -> BatchChoice:
+        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows), only, window)
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
-        new = self._choice(asks, choice.num_draft, rows, choice.probe, choice.only)
-        new.window = choice.window
-        return new
+        return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only, choice.window)
 
     def join_pays(self, arm: int, rows: int, probe: bool = True) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt:

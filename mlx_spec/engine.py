@@ -37,7 +37,7 @@ from mlx_spec import distributed
 from mlx_spec.api import OutputCutter
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_drafters import BatchDrafter, DraftBlock
-from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
+from mlx_spec.batch_policy import WINDOWS, BatchChoice, BatchDraftPolicy, RowAsk
 from mlx_spec.batch_sampling import (
     RowRandom,
     batch_probs,
@@ -673,15 +673,14 @@ class BatchEngine:
         if self.sync is None:
             return choice
         only = -1 if choice.only is None else choice.only
-        window = [None, "policy", "plain"].index(choice.window)
-        flat = [choice.num_draft, int(choice.probe), choice.catch_up, only, window]
+        flat = [choice.num_draft, int(choice.probe), choice.catch_up, only]
+        flat.append(WINDOWS.index(choice.window))
         for arm, k in choice.rows:
             flat += [-1 if arm is None else arm, k]
         flat = self.sync.share_ints(flat)
         rows = [(None if a < 0 else a, k) for a, k in zip(flat[5::2], flat[6::2], strict=True)]
         only = None if flat[3] < 0 else flat[3]
-        window = [None, "policy", "plain"][flat[4]]
-        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, window)
+        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, WINDOWS[flat[4]])
 
     # --- plain steps, pipelined -------------------------------------------------------------
 
