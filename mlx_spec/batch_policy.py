@@ -17,19 +17,23 @@ drafters (a group) take the one with the most expected tokens per cost each step
 depends on earlier steps only, so every row's output keeps the target's distribution.
 
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
-whether the policy then drafts with it or not. So the policy also keeps, per batch size, the
-share of recent steps that drafted with each drafter, and a row joins a model drafter only
-where that share is at least `min_share` (at a size it has not seen lately: where its cost
-model, fitted at the sizes it has seen, predicts that drafting with it pays there; and as
-every `probe_join`-th row it turned away, so that the share stays measured): at a batch
-size where the policy decodes plainly, or where a group's rows draft with a cheaper drafter,
-rows skip the pass, and take the drafter in later if the batch comes to a size where the
-policy drafts with it (fewer rows: the end of a busy spell).
+whether the policy then drafts with it or not: a row's cost, once, timed per token fed
+(`observe_join`) and kept out of the step costs. Where that cost, for every row of the batch
+once in a row's expected life, is a small share of the batch's plain time over that life,
+rows always join (`join_budget`); else the guard's verdict at that size decides where it has
+one, and the policy's share of recent steps that drafted with the drafter where it has not
+(at least `min_share`; at a size it has not seen lately, where its cost model, fitted at the
+sizes it has seen, predicts that drafting with it pays there; and every `probe_join`-th row
+it turned away joins, so that the share stays measured): at a batch size where the policy
+decodes plainly, or where a group's rows draft with a cheaper drafter, rows skip the pass,
+and take the drafter in later if the batch comes to a size where it pays (fewer rows: the
+end of a busy spell).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
-plain steps broken, rows out of step) a guard measures: it runs windows of steps with the
-policy's choices and windows of plain decoding alone, and where the policy's realise less
-per second at a batch size, decodes plainly there but for a window now and then (`_Guard`).
+plain steps broken, rows out of step) a guard measures at 2 rows or more: it runs windows of
+steps with the policy's choices and windows of plain decoding alone, and where the policy's
+realise less per second at a batch size (its joins counted), decodes plainly there but for a
+window now and then (`_Guard`).
 """
 
 from __future__ import annotations
@@ -241,12 +245,11 @@ class _Guard:
                 return (mine[0] / mine[1]) / (plain[0] / plain[1])
         return None
 
-    def leads_plain(self, rows: int, arm: int) -> bool:
-        """Whether plain decoding realised more at `rows` rows than the policy's steps with
-        drafter `arm` (among the drafters its rows had in the last window they had it)."""
+    def verdict(self, rows: int, arm: int) -> float | None:
+        """`ratio` at `rows` rows for the drafters the rows had in the last window that had
+        drafter `arm` (None where it has no answer)."""
         arms = self.latest.get(arm)
-        ratio = None if arms is None else self.ratio(rows, arms)
-        return ratio is not None and ratio < 1.0
+        return None if arms is None else self.ratio(rows, arms)
 
     def forced(self, rows: int, arms: tuple) -> bool:
         """Whether the next step (of `rows` rows, with drafters `arms`) decodes plainly, the
@@ -275,6 +278,12 @@ class _Guard:
         entry = self.rates.setdefault((rows, self.arms, plain), [0.0, 0.0, 0.0])
         d = self.decay
         entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
+
+    def charge(self, rows: int, seconds: float) -> None:
+        """Time the policy's kind spent beside its steps at `rows` rows (model drafters
+        taking rows in: no step of plain decoding's would have it), with no tokens."""
+        entry = self.rates.setdefault((rows, self.arms, False), [0.0, 0.0, 0.0])
+        entry[1] += seconds
 
 
 WINDOWS = (None, "policy", "plain")  # `BatchChoice.window`'s values
@@ -315,7 +324,13 @@ class BatchDraftPolicy:
             (decayed by `use_decay` per step of the same batch size) below which a joining
             row skips a model drafter, and every how many skipped rows one joins anyway.
         guard: check the policy's choices against plain decoding alone over windows of steps
-            (`_Guard`), and decode plainly where they realise less.
+            (`_Guard`), and decode plainly where they realise less, at `guard_from` rows or
+            more (a lone row has no rows out of step, and the pipeline's restart and the
+            catch-ups are in its step costs; what the guard would measure there is how the
+            last request's text suited the drafter, not the next one's).
+        join_budget: a row joins a model drafter whenever the drafter's measured cost of
+            taking rows in, for as many rows as the batch has, stays within this share of
+            the plain time of the row's expected life (`join_pays`); 0: never.
         recheck: while plain decoding wins, the rows' asks unchanged (the same rows, drafters
             and drafts to be had) and no probe due, the full comparison runs every this many
             steps only (the others repeat its answer): speculation grows no likelier as its
@@ -345,6 +360,8 @@ class BatchDraftPolicy:
         use_decay: float = 0.95,
         recheck: int = 4,
         guard: bool = True,
+        guard_from: int = 2,
+        join_budget: float = 0.03,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -369,6 +386,10 @@ class BatchDraftPolicy:
         self._offered: set[int] | None = None  # the arms the last choice's rows had (None: all)
         self._turned_away = [0] * len(self.arms)  # rows that skipped each arm since one joined
         self.guard = _Guard() if guard else None
+        self.guard_from, self.join_budget = guard_from, join_budget
+        self._join_cost: dict[int, float] = {}  # arm -> seconds per token fed at joining
+        self._joins: dict[int, int] = {}  # arm -> joins timed
+        self._joined = 0.0  # join seconds not yet charged to the guard
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -465,7 +486,8 @@ class BatchDraftPolicy:
         self._offered = {arm for ask in asks for arm in ask.arms}
         free = all(ask.fixed is None for ask in asks) and any(ask.arms for ask in asks)
         window = None
-        if self.guard is not None and free and self._plain_seen >= 2:
+        guarded = self.guard is not None and len(asks) >= self.guard_from
+        if guarded and free and self._plain_seen >= 2:
             if self.guard.forced(len(asks), tuple(sorted(self._offered))):
                 return BatchChoice(0, [(None, 0)] * len(asks), window="plain")
             window = "policy"
@@ -599,17 +621,33 @@ class BatchDraftPolicy:
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
         return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only, choice.window)
 
-    def join_pays(self, arm: int, rows: int, probe: bool = True) -> bool:
-        """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt:
-        the policy drafted with it in at least `min_share` of the recent steps of that many
-        rows (where it saw a few; else where `_predicts` says drafting with it pays there), or
+    def join_pays(
+        self, arm: int, rows: int, probe: bool = True, tokens: int = 0, life: float = 0.0
+    ) -> bool:
+        """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt
+        (`tokens` of it), to decode `life` more tokens: where the join is cheap (`_cheap`),
+        always (the policy then drafts with it or not, step by step: a lone user's next
+        request is not judged by how the last one's text suited the drafter); else where the
+        guard has measured the policy's windows with it against plain ones at that
+        size, whether they realised at least as much (their joins counted); else whether the
+        policy drafted with it in at least `min_share` of the recent steps of that many rows
+        (where it saw a few; else where `_predicts` says drafting with it pays there); or
         (`probe`) every `probe_join`-th row it would turn away. A size the batch passes
         through on its way down (8 rows, then 7 as a row ends) is thus priced, not joined
-        blindly: a late join feeds the drafter a whole history."""
-        steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
-        seen = steps >= 4.0
-        pays = (used >= self.min_share * steps) if seen else self._predicts(arm, rows)
-        if pays and not (self.guard is not None and self.guard.leads_plain(rows, arm)):
+        blindly: a late join feeds the drafter a whole history. (The share alone would keep
+        a lone user's rows from a drafter after a hard stretch of text: rows turned away
+        leave it unmeasured.)"""
+        if self._cheap(arm, rows, tokens, life):
+            return True
+        guarded = self.guard is not None and rows >= self.guard_from
+        ratio = self.guard.verdict(rows, arm) if guarded else None
+        if ratio is not None:
+            pays = ratio >= 1.0
+        else:
+            steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
+            seen = steps >= 4.0
+            pays = (used >= self.min_share * steps) if seen else self._predicts(arm, rows)
+        if pays:
             return True
         if not probe:
             return False
@@ -618,6 +656,32 @@ class BatchDraftPolicy:
             self._turned_away[arm] = 0
             return True
         return False
+
+    def _cheap(self, arm: int, rows: int, tokens: int, life: float) -> bool:
+        """Whether taking rows of `tokens` tokens into drafter `arm` costs, for `rows` rows
+        (each row of a batch that turns over joins once in a row's life), at most
+        `join_budget` of the plain time of `life` steps of that many rows. True until a
+        join after the first (which compiles) is timed: two rows, once, to learn the cost."""
+        if tokens <= 0 or life <= 0 or self.join_budget <= 0:
+            return False
+        per_token = self._join_cost.get(arm)
+        if per_token is None:
+            return self._joins.get(arm, 0) < 2
+        if self._plain_seen < 2:
+            return False
+        plain = self.costs.plain_seconds(rows)
+        return rows * per_token * tokens <= self.join_budget * life * plain
+
+    def observe_join(self, arm: int, tokens: int, seconds: float) -> None:
+        """Drafter `arm` took a row in, fed `tokens` tokens, in `seconds` (the first join
+        is left out: it compiles the drafter's kernels; so are joins of a few tokens, from
+        a saved state: their time is the call's, not the tokens')."""
+        if tokens < 16:
+            return
+        self._joins[arm] = self._joins.get(arm, 0) + 1
+        if self._joins[arm] == 1:
+            return
+        self._join_cost[arm] = _ema(self._join_cost.get(arm), seconds / tokens, 0.2)
 
     def _predicts(self, arm: int, rows: int) -> bool:
         """Whether the cost model predicts that drafting with `arm` alone beats plain
@@ -659,14 +723,25 @@ class BatchDraftPolicy:
         seconds: float,
         catch_up: int = 0,
         window: str | None = None,
+        joined: float = 0.0,
     ) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
         accepted); it took `seconds`, `catch_up` tokens of it catching up, in the guard's
-        `window` (`BatchChoice`)."""
+        `window` (`BatchChoice`); model drafters spent `joined` seconds taking rows in since
+        the last step. A join is a row's cost, once, not a step's: the step costs leave it
+        out (fitted as a step's, it would price every speculative step as the first after a
+        join, and the policy would stop drafting where a join pays for itself many times
+        over); the guard counts it as the policy's, so that joins that do not pay lose."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
+        self._joined += joined
+        if window is None and len(rows) < self.guard_from:
+            self._joined = 0.0  # a lone row's joins: no guard to charge
         if self.guard is not None and window is not None:
             tokens = len(rows) + sum(n for _, n in outcomes)
             self.guard.observe(len(rows), window == "plain", tokens, seconds)
+            if self._joined > 0.0:  # joins before steps the guard stood aside from too
+                self.guard.charge(len(rows), self._joined)
+            self._joined = 0.0
         if window == "plain":  # says nothing of whether the policy drafts at this size
             self._offered = None
         else:

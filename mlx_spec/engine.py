@@ -51,6 +51,7 @@ from mlx_spec.blas_threads import BlasThreads
 from mlx_spec.decode import Round
 from mlx_spec.drafters.base import hidden_wanted
 from mlx_spec.hidden import logits_at, tap_for
+from mlx_spec.policy import _ema
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -291,12 +292,13 @@ class BatchEngine:
         self._joining: _Joining | None = None  # requests being prefilled together
         self._last_settle = time.perf_counter()
         self._prefill_spent = 0.0  # prefill time since the last settled step
-        # Model drafters' joins since then (within the prefill time): charged to the next
-        # speculative step, as a cost of drafting with them (a plain step is charged none).
+        # Model drafters' joins since then (within the prefill time): a cost of drafting
+        # with them, reported with the next step observed (to the guard, not the step costs).
         self._join_spent = 0.0
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
         self._size_seen = 0.0  # the batch's size, averaged over its recent steps
         self._last_decode = 0.0  # when the last decoding step started
+        self._used: float | None = None  # share of their budgets the rows that ended used
         # Set to a list to record where each step's time goes (`StepTrace`).
         self.trace: list[StepTrace] | None = None
 
@@ -360,19 +362,44 @@ class BatchEngine:
             self._last_settle, self._prefill_spent, self._join_spent = tic, 0.0, 0.0
         if self._joining is None:
             self._joining = self._form_group()
-        if self._joining is not None:
-            self._prefill_group(self._joining)
+        group = self._joining
+        if group is not None:
+            try:
+                self._prefill_group(group)
+            except Exception as exc:  # the joining rows fail; the batch goes on without them
+                self._fail_joining(group, exc)
+                raise
         self._prefill_spent += time.perf_counter() - tic  # not charged to the decoding steps
         if self.active:
             try:
                 self._decode()
             except Exception as exc:  # the batch's state is unknown: every active row fails
-                for row in self.active:
-                    row.request.emit(exc)
-                self.active, self.cache, self._ahead = [], None, None
-                for drafter in self.drafters.values():
-                    drafter.reset()
+                self._fail_batch(exc)
                 raise
+
+    def _fail_batch(self, exc: Exception) -> None:
+        for row in self.active:
+            row.done = True
+            row.request.emit(exc)
+        self.active, self.cache, self._ahead = [], None, None
+        for drafter in self.drafters.values():
+            drafter.reset()
+
+    def _fail_joining(self, group: _Joining, exc: Exception) -> None:
+        """A prefill or a drafter's join failed: the group's rows end with the error (not
+        retried every step, which would hold them and every request after them forever).
+        Where some of them had joined the batch, its state is unknown and every row fails."""
+        self._joining = None
+        ids = {row.id for row in group.rows}
+        if any(row.id in ids for row in self.active):
+            self._fail_batch(exc)
+        for row in group.rows:
+            for drafter in self.drafters.values():
+                if row.id in drafter.rows:
+                    drafter.leave(row.id)
+            if not row.done:
+                row.done = True
+                row.request.emit(exc)
 
     def reserved(self, row: _Row) -> int:
         """Cache bytes a row may come to hold: its prompt and max_tokens, in the target's and
@@ -560,21 +587,31 @@ class BatchEngine:
         without it until it joins late (`_join_late`)."""
         hidden = self._all_hidden(row)
         auto = not isinstance(row.request.num_draft, int)
-        joined = []
-        for arm in row.arms:
-            name = self.names[arm]
-            state = row.states.pop(name, None)
+        states = [row.states.pop(self.names[arm], None) for arm in row.arms]
+        wanted = []
+        for arm, state in zip(row.arms, states, strict=True):
             # Fresh: it would feed the drafter most of the prompt (no saved state, or one
             # that shares little with it: another prompt's that began alike).
             fresh = state is None or 2 * row.common < len(row.tokens)
-            fresh = fresh and auto and self.drafters[name].feeds_prompt
-            if fresh and not self.policy.join_pays(arm, size):
+            fresh = fresh and auto and self.drafters[self.names[arm]].feeds_prompt
+            life, tokens = self._life_left(row), len(row.tokens)
+            wanted.append(not fresh or self.policy.join_pays(arm, size, True, tokens, life))
+        joined = []
+        for arm, state, join in zip(row.arms, states, self._agreed(wanted), strict=True):
+            if not join:
                 row.skipped.append(arm)
                 continue
             self._take_in(row, arm, hidden, state, row.common)
             joined.append(arm)
         row.arms = joined
         row.states = {}
+
+    def _agreed(self, flags: list[bool]) -> list[bool]:
+        """Rank 0's decisions on every rank of a sharded target (the flags otherwise): each
+        rank times its own joins and steps, and their drafters must hold the same rows."""
+        if self.sync is None or not flags:
+            return flags
+        return [bool(f) for f in self.sync.share_ints([int(f) for f in flags])]
 
     @staticmethod
     def _all_hidden(row: _Row) -> mx.array | None:
@@ -592,12 +629,12 @@ class BatchEngine:
         smaller for a while, not as it refills) (the queued plain step settled first, so
         that each row's sequence and features are whole)."""
         size = self._size_for(len(self.active))  # not while a busy batch refills
-        late = [
-            (row, arm)
-            for row in self.active
-            for arm in row.skipped
-            if self.policy.join_pays(arm, size, probe=False)
+        skipped = [(row, arm) for row in self.active for arm in row.skipped]
+        wanted = [
+            self.policy.join_pays(arm, size, False, len(row.tokens), self._life_left(row))
+            for row, arm in skipped
         ]
+        late = [pair for pair, join in zip(skipped, self._agreed(wanted), strict=True) if join]
         if not late:
             return
         self._flush()
@@ -608,18 +645,31 @@ class BatchEngine:
             self._take_in(row, arm, self._all_hidden(row), None, 0)
             row.skipped.remove(arm)
             row.arms.append(arm)
-        # Prefill work, as the joins at a prefill: no plain step's time, the next speculative
-        # step's (through `_join_spent`).
+        # Prefill work, as the joins at a prefill: no step's time (the policy's, through
+        # `_join_spent`).
         self._prefill_spent += self._join_spent - before
 
     def _take_in(self, row: _Row, arm: int, hidden, state, common: int) -> None:
         """Drafter `arm` takes the row in (from `state`, sharing `common` tokens with it); the
-        time is charged to the next speculative step."""
+        time is reported with the next step observed (`BatchDraftPolicy.observe`'s `joined`)."""
         name = self.names[arm]
         columns = self._columns(row, name, hidden)
         tic = time.perf_counter()
         self.drafters[name].join(row.id, row.tokens, columns, state, common)
-        self._join_spent += time.perf_counter() - tic
+        seconds = time.perf_counter() - tic
+        self._join_spent += seconds
+        if self.drafters[name].feeds_prompt:
+            fed = len(row.tokens) - (common if state is not None else 0)
+            self.policy.observe_join(arm, fed, seconds)
+
+    def _life_left(self, row: _Row) -> float:
+        """Tokens the row is expected to decode still: the share of their budgets the rows
+        that ended lately (not cancelled) used, of its own budget, less what it decoded (its
+        whole budget left where it already went beyond that)."""
+        budget = row.request.max_tokens
+        expected = budget if self._used is None else self._used * budget
+        left = expected - row.produced if expected > row.produced else budget - row.produced
+        return max(float(left), 1.0)
 
     def _extend(self, cache: BatchCache, rows: list[_Row]) -> None:
         """Rows (and their cache) join the batch after its rows."""
@@ -749,8 +799,8 @@ class BatchEngine:
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
-            self.policy.observe(choice.rows, outcomes, seconds, window=choice.window)
-            self._join_spent = 0.0
+            joined, self._join_spent = self._join_spent, 0.0
+            self.policy.observe(choice.rows, outcomes, seconds, window=choice.window, joined=joined)
             if self.trace is not None:  # a pipelined step: its time is its pass's
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
                 step = StepTrace(len(ahead.ids), 0, 0, emitted, *spans, *self._widths())
@@ -810,10 +860,11 @@ class BatchEngine:
         self.cache.truncate(targets)
         self.cache.tidy()  # columns before rows' tokens, squeezed out once they are many
         # Timed like a plain step: from the last step settled (the choice, the rows' asks and
-        # leaving are the step's too), prefill work apart, the drafters' joins included.
-        spent = self._prefill_spent - self._join_spent
-        seconds = time.perf_counter() - self._last_settle - spent
-        self.policy.observe(choice.rows, outcomes, seconds, choice.catch_up, choice.window)
+        # leaving are the step's too), prefill work and the drafters' joins apart (a join is
+        # its row's cost: the policy hands it to the guard, not to the step costs).
+        seconds = time.perf_counter() - self._last_settle - self._prefill_spent
+        catch_up, window, joined = choice.catch_up, choice.window, self._join_spent
+        self.policy.observe(choice.rows, outcomes, seconds, catch_up, window, joined)
         self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, 0.0
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]
@@ -930,6 +981,8 @@ class BatchEngine:
 
     def _remove(self, row: _Row, keep_cache: bool) -> None:
         i = self.active.index(row)
+        if row.done and not row.cancelled:
+            self._used = _ema(self._used, row.produced / max(row.request.max_tokens, 1), 0.2)
         states = {self.names[a]: self.drafters[self.names[a]].leave(row.id) for a in row.arms}
         if keep_cache and self.row_cache is not None:
             one = self.cache.extract(i, self.model)
