@@ -11,6 +11,14 @@ counted. Reported: B's tokens per second over A's (over all counted turns, and t
 the turns' ratios), and the share of B's steps that drafted, that
 ran in the guard's plain windows, and that were the policy's own plain steps.
 
+With `--vary-tokens LO HI` each request's budget is drawn from LO..HI instead (the same
+draws, request by request, for both engines) and its prompt's length from 40..120 tokens:
+requests of different lengths, as real traffic. With equal lengths plain decoding keeps its
+rows in step (they join and leave together, and every row's pass attends over as many
+columns as it holds); a single speculative step puts them out of step for good, and each
+pass then attends over the longest row's columns: a cost of the set-up's symmetry that real
+traffic does not have.
+
 Run: `python benchmarks/batch_ab.py --concurrency 1 4 8 --json benchmarks/results/batch_ab.json`.
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import random
 import statistics
 import sys
 import time
@@ -41,9 +50,17 @@ class Clients:
     """An engine serving `n` clients under steady turnover; counts the tokens streamed, and
     (with a drafter) the steps by kind."""
 
-    def __init__(self, engine: BatchEngine, prompts: list, n: int, drafter, max_tokens: int):
+    def __init__(
+        self, engine: BatchEngine, prompts: list, n: int, drafter, max_tokens: int, vary=None
+    ):
         self.engine, self.prompts, self.drafter = engine, prompts, drafter
         self.max_tokens = max_tokens
+        # Request k's (prompt length, budget): drawn alike for both engines.
+        rng = random.Random(0)
+        self.shapes = [
+            (rng.randint(40, 120), rng.randint(*vary)) if vary else (None, max_tokens)
+            for _ in range(4096)
+        ]
         self.tokens = 0
         self.steps: collections.Counter = collections.Counter()
         engine.row_cache = RowCache()
@@ -71,11 +88,11 @@ class Clients:
             else:
                 self.submit(client, k + len(self.prompts) // 2)
 
+        length, budget = self.shapes[k % len(self.shapes)]
         self.engine.add(
             BatchRequest(
-                self.prompts[k % len(self.prompts)], SamplingConfig(temperature=0.0),
-                self.max_tokens, emit, drafter=self.drafter,
-                num_draft="auto" if self.drafter else 0,
+                self.prompts[k % len(self.prompts)][:length], SamplingConfig(temperature=0.0),
+                budget, emit, drafter=self.drafter, num_draft="auto" if self.drafter else 0,
             )
         )  # fmt: skip
 
@@ -94,7 +111,7 @@ def measure(model, tokenizer, vocab, drafters, prompts, n: int, mode: str, args)
     engines = []
     for drafter in (None, mode):
         engine = BatchEngine(model, tokenizer, vocab, drafters(), max_batch=n, prefill_step=4096)
-        engines.append(Clients(engine, prompts, n, drafter, args.max_tokens))
+        engines.append(Clients(engine, prompts, n, drafter, args.max_tokens, args.vary_tokens))
     seconds = [0.0, 0.0]
     tokens = [0, 0]
     per_chunk = []
@@ -130,13 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=80)
+    p.add_argument(
+        "--vary-tokens", type=int, nargs=2, metavar=("LO", "HI"),
+        help="each request's budget drawn from LO..HI, its prompt 40..120 tokens",
+    )  # fmt: skip
     p.add_argument("--chunk-steps", type=int, default=40, help="steps per turn (default 40)")
     p.add_argument("--chunks", type=int, default=30, help="turns of each engine counted")
     p.add_argument("--warm-chunks", type=int, default=6, help="turns of each not counted")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
-    pair = embedded_pair(args.prompt_tokens)
+    if args.vary_tokens and not 1 <= args.vary_tokens[0] <= args.vary_tokens[1]:
+        p.error("--vary-tokens needs 1 <= LO <= HI")
+    pair = embedded_pair(120 if args.vary_tokens else args.prompt_tokens)
     model, tokenizer, prompts, vocab = pair.model, pair.tokenizer, pair.prompts, pair.vocab
 
     def drafters() -> dict:
@@ -161,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_record(
             args.json, argv, results, max_tokens=args.max_tokens,
-            prompt_tokens=args.prompt_tokens, chunk_steps=args.chunk_steps, chunks=args.chunks,
+            prompt_tokens=args.prompt_tokens, vary_tokens=args.vary_tokens,
+            chunk_steps=args.chunk_steps, chunks=args.chunks,
         )  # fmt: skip
     return 0
 

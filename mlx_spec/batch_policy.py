@@ -10,7 +10,10 @@ the target is fed, the passes and rows of each model drafter, and the catch-up: 
 drafter must feed first after plain steps it sat out), and picks the K with the most tokens per
 second, the catch-up spread over the steps it enables; K = 0 is batched plain decoding.
 Speculation must beat plain decoding by a margin to be taken up (half of it to be kept); while
-it loses, a probe step runs now and then, less often the more a probe costs.
+it loses, a probe step runs now and then, less often the more a probe costs. Probes and every
+`explore_every`-th speculative step measure what the model cannot know: a drafter set never
+run, a width never run at that batch size whose least possible cost (`_Costs.hope`) would make
+it the best, else a width near the best one whose own cost is least known.
 
 Rows with a fixed `num_draft` draft that many whatever K is; rows that may use several
 drafters (a group) take the one with the most expected tokens per cost each step. The choice
@@ -185,6 +188,42 @@ class _Costs:
         if cell is not None:  # the cell's own steps, as much as they weigh, over the line
             extra = (cell[0] + extra) / (cell[1] + 1.0)
         return plain + extra + c3 * catch_up
+
+    def hope(self, rows: int, big_k: int, arms: tuple, catch_up: float = 0.0) -> float | None:
+        """The least a step of `rows` rows and K = `big_k` with drafters `arms` may cost where
+        its own cell has no steps (None where it has: its prediction stands). Taken from the
+        cells of the same drafters that have: a step is no cheaper than one of as many rows
+        or fewer drafting fewer (their most expensive), nor than the chord between its
+        measured neighbours at its batch size, nor than its plain step. The line stands in
+        for such a cell when choosing; it is fitted to the widths that ran, and a CPU's
+        widths are far from a line (a 2-core x86 at B = 1: K = 1 costs 1.75 plain steps,
+        K = 6 2.5): fitted to K = 1 and 2, it prices K = 6 at 4 plain steps, and a width so
+        priced never runs, so never corrects it. This estimate errs the other way: a width it
+        makes look best is worth one step to measure (`BatchDraftPolicy._choose`)."""
+        key = ("hope", rows, big_k, arms, catch_up)
+        if key not in self._memo:
+            self._memo[key] = self._hope(rows, big_k, arms, catch_up)
+        return self._memo[key]
+
+    def _hope(self, rows: int, big_k: int, arms: tuple, catch_up: float) -> float | None:
+        if big_k == 0 or (arms, rows, big_k) in self.cells:
+            return None
+        least = self.plain_seconds(rows)
+        below, above = None, None  # the nearest measured widths at this size
+        for (a, b, k), (total, weight) in self.cells.items():
+            if a != arms or b > rows or weight <= 0:
+                continue
+            seconds = self.plain_seconds(b) + total / weight
+            if k < big_k:
+                least = max(least, seconds)
+                if b == rows and (below is None or k > below[0]):
+                    below = (k, seconds)
+            elif b == rows and k > big_k and (above is None or k < above[0]):
+                above = (k, seconds)
+        if below is not None and above is not None:
+            share = (big_k - below[0]) / (above[0] - below[0])
+            least = max(least, below[1] + share * (above[1] - below[1]))
+        return least + self.weights(arms)[3] * catch_up
 
     def observe(self, rows: int, big_k: int, arms: tuple, seconds: float, catch_up=0) -> None:
         self._memo.clear()
@@ -515,9 +554,15 @@ class BatchDraftPolicy:
         group = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms}
         untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
         merged = _Merged(asks)
-        best, plans, unmeasured = None, {}, None
+        best, plans, unmeasured, hopeful = None, {}, None, None
+        contender = (1 + self.margin) * plain_rate  # what a width never run must promise
+        # Only a probe or an exploring step runs a width for its hope: other steps leave it.
+        exploring = self._since_spec >= self._probe_every
+        exploring = exploring or (self._steps + 1) % self.explore_every == 0
         for big_k in range(1, self._widest(merged.distinct) + 1):
             variants = [None, *untried]
+            reach = 0.0  # the most this K may promise (its rate, or its hope where that
+            # would make it the one to measure)
             for only in variants:  # grows while it runs
                 plan, tokens = self._merged_plan(merged, big_k, accept, only=only)
                 shape = merged.shape(plan)
@@ -525,23 +570,40 @@ class BatchDraftPolicy:
                     variants += [arm for arm in shape[2] if arm not in variants]
                 spread = merged.catch_up(plan) / self.horizon
                 rate = tokens / self.costs.seconds(*shape, spread)
+                least = self.costs.hope(*shape, spread)  # None: its width ran here
+                if exploring and least is not None and tokens / least > contender:
+                    hope = tokens / least
+                    reach = max(reach, hope)
+                    if hopeful is None or hope > hopeful[0]:
+                        hopeful = (hope, big_k, plan, only)
+                reach = max(reach, rate)
                 if big_k not in plans or rate > plans[big_k][2]:
                     plans[big_k] = (plan, shape, rate, only)
                 if best is None or rate > best[0]:
                     best = (rate, big_k, plan, only)
+                    contender = (1 + self.margin) * max(rate, plain_rate)
                 if shape[2] not in self.costs.fits and (unmeasured is None or rate > unmeasured[0]):
                     unmeasured = (rate, big_k, plan, only)
             # Past the best K (and the one above it, which exploring may run), a K whose
             # best plan falls well behind ends the search: tokens grow ever slower with K,
             # a step's cost no slower (weighing every K of every drafter each step costs
-            # a CPU's batch a few percent of its time).
-            if big_k >= best[1] + 2 and plans[big_k][2] < self.stop_below * best[0]:
+            # a CPU's batch a few percent of its time), unless its width never ran and may
+            # do better than its price.
+            if big_k >= best[1] + 2 and reach < self.stop_below * best[0]:
                 break
+        # A width that never ran at this size, whose least possible cost would make it the
+        # best: the exploring steps and probes measure it (each width once; its price is
+        # then its own).
+        if hopeful is not None and hopeful[0] <= contender:
+            hopeful = None
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
+                if hopeful is not None:
+                    rows = merged.rows(hopeful[2])
+                    return self._choice(asks, hopeful[1], rows, only=hopeful[3])
                 arm = self._untried(asks, merged.rows(best[2]))
                 if arm is not None and (self._steps // self.explore_every) % 2:
                     return self._choice(asks, best[1], self._plan(merged, best[1], accept, arm)[0])
@@ -554,8 +616,10 @@ class BatchDraftPolicy:
             self._since_spec = 0
             self._probe_every = self._next_probe(best[0], plain_rate)
             # A set of drafters no step has used is priced by the prior alone (no better
-            # than a guess): the probe measures it first.
-            probe = unmeasured if unmeasured is not None else best
+            # than a guess): the probe measures it first; then a width that never ran and
+            # may be the best (a lone row's first probes after an unlucky one: K = 1 alone
+            # says nothing of the deeper drafts, nor of what wider steps cost).
+            probe = unmeasured or hopeful or best
             rows = merged.rows(probe[2])
             return self._choice(asks, probe[1], rows, probe=True, only=probe[3])
         if signature is not None:
