@@ -554,7 +554,7 @@ class BatchDraftPolicy:
         group = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms}
         untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
         merged = _Merged(asks)
-        best, plans, unmeasured, hopeful = None, {}, None, None
+        best, plans, unmeasured, hopeful, hoped = None, {}, None, None, 0.0
         contender = (1 + self.margin) * plain_rate  # what a width never run must promise
         # Only a probe or an exploring step runs a width for its hope: other steps leave it.
         exploring = self._since_spec >= self._probe_every
@@ -574,8 +574,8 @@ class BatchDraftPolicy:
                 if exploring and least is not None and tokens / least > contender:
                     hope = tokens / least
                     reach = max(reach, hope)
-                    if hopeful is None or hope > hopeful[0]:
-                        hopeful = (hope, big_k, plan, only)
+                    if hope > hoped:  # (its rate as the model prices it, K, plan, only)
+                        hopeful, hoped = (rate, big_k, plan, only), hope
                 reach = max(reach, rate)
                 if big_k not in plans or rate > plans[big_k][2]:
                     plans[big_k] = (plan, shape, rate, only)
@@ -594,7 +594,7 @@ class BatchDraftPolicy:
         # A width that never ran at this size, whose least possible cost would make it the
         # best: the exploring steps and probes measure it (each width once; its price is
         # then its own).
-        if hopeful is not None and hopeful[0] <= contender:
+        if hoped <= contender:
             hopeful = None
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
@@ -614,12 +614,13 @@ class BatchDraftPolicy:
         self._speculating = False
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
-            self._probe_every = self._next_probe(best[0], plain_rate)
             # A set of drafters no step has used is priced by the prior alone (no better
             # than a guess): the probe measures it first; then a width that never ran and
             # may be the best (a lone row's first probes after an unlucky one: K = 1 alone
-            # says nothing of the deeper drafts, nor of what wider steps cost).
+            # says nothing of the deeper drafts, nor of what wider steps cost). The next
+            # probe waits as long as the model's price of this one asks.
             probe = unmeasured or hopeful or best
+            self._probe_every = self._next_probe(probe[0], plain_rate)
             rows = merged.rows(probe[2])
             return self._choice(asks, probe[1], rows, probe=True, only=probe[3])
         if signature is not None:
