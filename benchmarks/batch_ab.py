@@ -9,7 +9,8 @@ pass included), so that the machine's drift (a shared 2-core CPU drifts by a qua
 runs and more within one) falls on both alike; the first `--warm-chunks` turns of each are not
 counted. Reported: B's tokens per second over A's (over all counted turns, and the median of
 the turns' ratios), and the share of B's steps that drafted, that
-ran in the guard's plain windows, and that were the policy's own plain steps.
+ran in the guard's plain windows (every drafter the rows had barred), and that were the
+policy's own plain steps.
 
 With `--vary-tokens LO HI` each request's budget is drawn from LO..HI instead (the same
 draws, request by request, for both engines) and its prompt's length from 40..120 tokens:
@@ -69,7 +70,9 @@ class Clients:
 
             def counted(asks):
                 choice = choose(asks)
-                kind = "plain window" if choice.window == "plain" else (
+                offered = {arm for ask in asks for arm in ask.arms}
+                barred = bool(choice.window) and all(choice.window >> a & 1 for a in offered)
+                kind = "plain window" if barred else (
                     "drafted" if choice.num_draft else "policy plain"
                 )  # fmt: skip
                 self.steps[kind] += 1

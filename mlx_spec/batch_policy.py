@@ -23,8 +23,9 @@ A model drafter costs a pass over each joining row's prompt before it drafts at 
 whether the policy then drafts with it or not: a row's cost, once, timed per token fed
 (`observe_join`) and kept out of the step costs. Where that cost, for every row of the batch
 once in a row's expected life, is a small share of the batch's plain time over that life,
-rows always join (`join_budget`); else the guard's verdict at that size decides where it has
-one, and the policy's share of recent steps that drafted with the drafter where it has not
+rows join (`join_budget`) unless the guard found, at that size, that the drafter's steps
+realise less than the steps without it; else the guard's verdict decides where it has one,
+and the policy's share of recent steps that drafted with the drafter where it has not
 (at least `min_share`; at a size it has not seen lately, where its cost model, fitted at the
 sizes it has seen, predicts that drafting with it pays there; and every `probe_join`-th row
 it turned away joins, so that the share stays measured): at a batch size where the policy
@@ -33,10 +34,11 @@ and take the drafter in later if the batch comes to a size where it pays (fewer 
 end of a busy spell).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
-plain steps broken, rows out of step) a guard measures at 2 rows or more: it runs windows of
-steps with the policy's choices and windows of plain decoding alone, and where the policy's
-realise less per second at a batch size (its joins counted), decodes plainly there but for a
-window now and then (`_Guard`).
+plain steps broken, rows out of step) a guard measures at 2 rows or more, per drafter: it
+runs windows of steps where the drafter is allowed and windows where it is barred (the rows
+drafting with their other drafters, or decoding plainly), and where the steps with it
+realise less per second at a batch size (its joins counted), bars it there but for a window
+now and then (`_Guard`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,16 @@ def _catch_up(groups: list[tuple[tuple[int | None, int], int, dict[int, int]]]) 
             rows[arm] = rows.get(arm, 0) + count
             widest[arm] = max(widest.get(arm, 0), backlogs.get(arm, 0))
     return sum(n * max(0, widest[arm] - big_k) for arm, n in rows.items())
+
+
+def _without(ask: RowAsk, barred: int) -> RowAsk:
+    """The ask with the drafters in `barred` (a bitmask) left out."""
+    if not any(barred >> arm & 1 for arm in ask.arms):
+        return ask
+    keep = [i for i, arm in enumerate(ask.arms) if not barred >> arm & 1]
+    available = [ask.available[i] for i in keep] if ask.available else []
+    backlog = [ask.backlog[i] for i in keep] if ask.backlog else []
+    return RowAsk([ask.arms[i] for i in keep], ask.fixed, ask.limit, available, backlog)
 
 
 class _Costs:
@@ -244,88 +256,113 @@ class _Costs:
 
 
 class _Guard:
-    """What the policy's choices realise against plain decoding alone, per batch size.
+    """What each drafter adds, against decoding without it, per batch size.
 
     The step costs the policy predicts leave out what only shows over many steps: the
     model drafters' catch-ups and joins as rows come and go, a pipeline of plain steps
     broken by each speculative one, rows out of step. So steps run in windows of `window`
-    steps, each either the policy's (speculation allowed) or plain decoding's alone, and
-    per batch size and set of drafters the rows have, the guard keeps each kind's tokens
-    per second over its recent steps (decayed by `decay` per step; the policy's
-    speculative and plain steps alike). What a switch costs is the policy's: its first
-    steps after plain ones pay the model drafters' backlog, and the first `settle` plain
-    steps after its window count as its own (they pay what it left behind: a pipeline to
-    start again, rows out of step). The kind that realised more leads; the other runs one
-    window in every `|ratio - 1| / budget` (`least` .. `most`), so that it stays measured
-    at an expected cost of about `budget` of the time. A batch size with no plain windows
-    yet runs one after `first` of the policy's (a size that persists, not one passed
-    through).
+    steps, and in each, every drafter the rows have is either allowed (the policy may draft
+    with it) or barred (it may not: the rows draft with their other drafters, or decode
+    plainly where every one is barred). Per batch size and drafter, the guard keeps the
+    tokens per second of the steps where it was allowed and of those where it was barred
+    (decayed by `decay` per step; speculative and plain steps alike). What a switch costs
+    is the allowed side's: a drafter's first steps after barred ones pay its backlog, and
+    the first `settle` steps after it is barred again still count as allowed (they pay
+    what it left behind: a pipeline to start again, rows out of step). The side that
+    realised more leads; the other runs one window in every `|ratio - 1| / budget`
+    (`least` .. `most`), so that it stays measured at an expected cost of about `budget`
+    of the time. A batch size with no barred windows yet runs one after `first` allowed
+    ones (a size that persists, not one passed through).
+
+    Each drafter keeps its own schedule, so a lone drafter is judged against plain
+    decoding, and a group's drafters each against the others: mostly, where the n-gram
+    lookup leads and the MTP head trails, the head's windows add it to the lookup and its
+    barred windows are the lookup alone (what the head adds, with its joins and
+    catch-ups), and the lookup's barred windows are plain decoding.
+
+    A window is a bitmask of the drafters barred (`BatchChoice.window`; 0: none).
     """
 
     def __init__(self, window=16, settle=4, budget=0.01, least=4, most=64, decay=0.98, first=3):
         self.window, self.settle, self.budget, self.decay = window, settle, budget, decay
         self.least, self.most, self.first = least, most, first
-        # (B, drafters, plain) -> decayed tokens, seconds, steps
-        self.rates: dict[tuple[int, tuple, bool], list[float]] = {}
-        self.since: dict[tuple, int] = {}  # (B, drafters) -> windows since the trailing kind
+        # (B, drafter, allowed) -> decayed tokens, seconds, steps
+        self.rates: dict[tuple[int, int, bool], list[float]] = {}
+        self.since: dict[tuple[int, int], int] = {}  # (B, drafter) -> windows since it trailed
         self.arms: tuple = ()  # the drafters the current window's rows have
-        self.latest: dict[int, tuple] = {}  # drafter -> the drafters of the last window with it
-        self.plain = False  # the current window decodes plainly
+        self.barred = 0  # the current window's barred drafters (a bitmask)
         self.left = 0  # its steps still to run
-        self.unsettled = 0  # plain steps still to count as the policy's window's
+        self.unsettled: dict[int, int] = {}  # drafter -> barred steps still counted as allowed
 
-    def ratio(self, rows: int, arms: tuple) -> float | None:
-        """Tokens per second of the policy's windows over plain ones at `rows` rows with
-        drafters `arms` (or a size one away, where `rows` has not both); None where neither
-        has."""
+    def ratio(self, rows: int, arm: int) -> float | None:
+        """Tokens per second of the steps with drafter `arm` allowed over those with it
+        barred at `rows` rows (or a size one away, where `rows` has not both); None where
+        neither has."""
         for b in sorted((rows, rows - 1, rows + 1), key=lambda b: (abs(b - rows), -b)):
-            mine, plain = self.rates.get((b, arms, False)), self.rates.get((b, arms, True))
-            if mine and plain and min(mine[2], plain[2]) >= 4 and mine[1] and plain[1]:
-                return (mine[0] / mine[1]) / (plain[0] / plain[1])
+            on, off = self.rates.get((b, arm, True)), self.rates.get((b, arm, False))
+            if on and off and min(on[2], off[2]) >= 4 and on[1] and off[1]:
+                return (on[0] / on[1]) / (off[0] / off[1])
         return None
 
-    def verdict(self, rows: int, arm: int) -> float | None:
-        """`ratio` at `rows` rows for the drafters the rows had in the last window that had
-        drafter `arm` (None where it has no answer)."""
-        arms = self.latest.get(arm)
-        return None if arms is None else self.ratio(rows, arms)
+    verdict = ratio  # `BatchDraftPolicy.join_pays`: what taking a row into a drafter pays
 
-    def forced(self, rows: int, arms: tuple) -> bool:
-        """Whether the next step (of `rows` rows, with drafters `arms`) decodes plainly, the
-        policy unasked."""
-        if self.left <= 0 or arms != self.arms:
-            self.arms = arms
-            self.latest.update((arm, arms) for arm in arms)
-            ratio = self.ratio(rows, arms)
-            if ratio is None:
-                lead, every = False, self.first
-            else:
-                lead = ratio < 1.0
-                every = int(min(self.most, max(self.least, abs(ratio - 1.0) / self.budget)))
-            behind = self.since.get((rows, arms), 0) + 1
-            plain = lead if behind < every else not lead
-            self.since[rows, arms] = behind if behind < every else 0
-            if plain != self.plain:
-                self.plain, self.unsettled = plain, self.settle if plain else 0
-            self.left = self.window
+    def window_for(self, rows: int, arms: tuple) -> int:
+        """The drafters barred for the next step, of `rows` rows with drafters `arms` (a
+        bitmask). A drafter new to the window (a row that joined with it) is judged at
+        once; the others keep their side until the window ends."""
+        fresh = self.left <= 0
+        if fresh or arms != self.arms:
+            barred = 0
+            for arm in arms:
+                bit = 1 << arm
+                if not fresh and arm in self.arms:
+                    barred |= self.barred & bit
+                elif self._bars(rows, arm):
+                    barred |= bit
+            for arm in arms:
+                bit = 1 << arm
+                if barred & bit and not self.barred & bit:
+                    self.unsettled[arm] = self.settle
+                elif not barred & bit:
+                    self.unsettled.pop(arm, None)
+            self.arms, self.barred = arms, barred
+            if fresh:
+                self.left = self.window
         self.left -= 1
-        return self.plain
+        return self.barred
 
-    def observe(self, rows: int, plain: bool, tokens: int, seconds: float) -> None:
-        if plain and self.unsettled > 0:
-            self.unsettled, plain = self.unsettled - 1, False
-        entry = self.rates.setdefault((rows, self.arms, plain), [0.0, 0.0, 0.0])
+    def _bars(self, rows: int, arm: int) -> bool:
+        """Whether drafter `arm` is barred in the window starting now (its schedule moves
+        on by one window)."""
+        ratio = self.ratio(rows, arm)
+        if ratio is None:
+            lead, every = False, self.first
+        else:
+            lead = ratio < 1.0
+            every = int(min(self.most, max(self.least, abs(ratio - 1.0) / self.budget)))
+        behind = self.since.get((rows, arm), 0) + 1
+        self.since[rows, arm] = behind if behind < every else 0
+        return lead if behind < every else not lead
+
+    def observe(self, rows: int, barred: int, tokens: int, seconds: float) -> None:
+        """A step of `rows` rows ran with drafters `barred` (a bitmask): it counts for each
+        drafter of the window's rows, on its side."""
         d = self.decay
-        entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
+        for arm in self.arms:
+            allowed = not barred >> arm & 1
+            if not allowed and self.unsettled.get(arm, 0) > 0:
+                self.unsettled[arm] -= 1
+                allowed = True
+            entry = self.rates.setdefault((rows, arm, allowed), [0.0, 0.0, 0.0])
+            entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
 
-    def charge(self, rows: int, seconds: float) -> None:
-        """Time the policy's kind spent beside its steps at `rows` rows (model drafters
-        taking rows in: no step of plain decoding's would have it), with no tokens."""
-        entry = self.rates.setdefault((rows, self.arms, False), [0.0, 0.0, 0.0])
+    def charge(self, rows: int, arm: int, seconds: float) -> None:
+        """Time drafter `arm` spent beside the steps at `rows` rows (taking rows in: no step
+        without it would have it), with no tokens: its allowed side's."""
+        entry = self.rates.setdefault((rows, arm, True), [0.0, 0.0, 0.0])
         entry[1] += seconds
 
 
-WINDOWS = (None, "policy", "plain")  # `BatchChoice.window`'s values
 
 
 @dataclass
@@ -337,9 +374,10 @@ class BatchChoice:
     probe: bool = False
     catch_up: int = 0  # the catch-up tokens of the step (see `_Costs`)
     only: int | None = None  # the one drafter a group's rows draft with (None: each its best)
-    # The guard's window the step runs in (`_Guard`): "plain" (the policy unasked), "policy",
-    # or None (the guard stood aside: no row can draft, or one drafts a fixed k).
-    window: str | None = None
+    # The guard's window the step runs in (`_Guard`): a bitmask of the drafters barred from
+    # it (0: none; every drafter the rows have: plain decoding, the policy unasked), or None
+    # (the guard stood aside: no row can draft, one drafts a fixed k, or a lone row).
+    window: int | None = None
 
 
 class BatchDraftPolicy:
@@ -362,8 +400,8 @@ class BatchDraftPolicy:
         min_share, probe_join, use_decay: `join_pays` (see the module): the share of steps
             (decayed by `use_decay` per step of the same batch size) below which a joining
             row skips a model drafter, and every how many skipped rows one joins anyway.
-        guard: check the policy's choices against plain decoding alone over windows of steps
-            (`_Guard`), and decode plainly where they realise less, at `guard_from` rows or
+        guard: check each drafter's steps against steps without it over windows of steps
+            (`_Guard`), and bar it where they realise less, at `guard_from` rows or
             more (a lone row has no rows out of step, and the pipeline's restart and the
             catch-ups are in its step costs; what the guard would measure there is how the
             last request's text suited the drafter, not the next one's).
@@ -428,7 +466,7 @@ class BatchDraftPolicy:
         self.guard_from, self.join_budget = guard_from, join_budget
         self._join_cost: dict[int, float] = {}  # arm -> seconds per token fed at joining
         self._joins: dict[int, int] = {}  # arm -> joins timed
-        self._joined = 0.0  # join seconds not yet charged to the guard
+        self._joined: dict[int, float] = {}  # per drafter, join seconds not yet charged to the guard
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -527,9 +565,10 @@ class BatchDraftPolicy:
         window = None
         guarded = self.guard is not None and len(asks) >= self.guard_from
         if guarded and free and self._plain_seen >= 2:
-            if self.guard.forced(len(asks), tuple(sorted(self._offered))):
-                return BatchChoice(0, [(None, 0)] * len(asks), window="plain")
-            window = "policy"
+            window = self.guard.window_for(len(asks), tuple(sorted(self._offered)))
+            asks = [_without(ask, window) for ask in asks]
+            if not any(ask.arms for ask in asks):  # every drafter barred: the policy unasked
+                return BatchChoice(0, [(None, 0)] * len(asks), window=window)
         choice = self._choose(asks)
         choice.window = window
         return choice
@@ -683,6 +722,8 @@ class BatchDraftPolicy:
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
+        if choice.window:
+            asks = [_without(ask, choice.window) for ask in asks]
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
         return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only, choice.window)
 
@@ -690,11 +731,12 @@ class BatchDraftPolicy:
         self, arm: int, rows: int, probe: bool = True, tokens: int = 0, life: float = 0.0
     ) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt
-        (`tokens` of it), to decode `life` more tokens: where the join is cheap (`_cheap`),
-        always (the policy then drafts with it or not, step by step: a lone user's next
-        request is not judged by how the last one's text suited the drafter); else where the
-        guard has measured the policy's windows with it against plain ones at that
-        size, whether they realised at least as much (their joins counted); else whether the
+        (`tokens` of it), to decode `life` more tokens: where the guard has measured, at that
+        size, the steps with the drafter allowed against those with it barred, whether they
+        realised at least as much (their joins counted); else where the join is cheap
+        (`_cheap`), always (the policy then drafts with it or not, step by step: a lone
+        user's next request is not judged by how the last one's text suited the drafter);
+        else whether the
         policy drafted with it in at least `min_share` of the recent steps of that many rows
         (where it saw a few; else where `_predicts` says drafting with it pays there); or
         (`probe`) every `probe_join`-th row it would turn away. A size the batch passes
@@ -702,12 +744,12 @@ class BatchDraftPolicy:
         blindly: a late join feeds the drafter a whole history. (The share alone would keep
         a lone user's rows from a drafter after a hard stretch of text: rows turned away
         leave it unmeasured.)"""
-        if self._cheap(arm, rows, tokens, life):
-            return True
         guarded = self.guard is not None and rows >= self.guard_from
         ratio = self.guard.verdict(rows, arm) if guarded else None
         if ratio is not None:
             pays = ratio >= 1.0
+        elif self._cheap(arm, rows, tokens, life):
+            return True
         else:
             steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
             seen = steps >= 4.0
@@ -787,28 +829,31 @@ class BatchDraftPolicy:
         outcomes,
         seconds: float,
         catch_up: int = 0,
-        window: str | None = None,
-        joined: float = 0.0,
+        window: int | None = None,
+        joined: dict[int, float] | None = None,
     ) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
         accepted); it took `seconds`, `catch_up` tokens of it catching up, in the guard's
-        `window` (`BatchChoice`); model drafters spent `joined` seconds taking rows in since
-        the last step. A join is a row's cost, once, not a step's: the step costs leave it
-        out (fitted as a step's, it would price every speculative step as the first after a
-        join, and the policy would stop drafting where a join pays for itself many times
-        over); the guard counts it as the policy's, so that joins that do not pay lose."""
+        `window` (`BatchChoice`); model drafters spent `joined[arm]` seconds taking rows in
+        since the last step. A join is a row's cost, once, not a step's: the step costs leave
+        it out (fitted as a step's, it would price every speculative step as the first after
+        a join, and the policy would stop drafting where a join pays for itself many times
+        over); the guard counts it as its drafter's, so that joins that do not pay lose."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
-        self._joined += joined
+        for arm, spent in (joined or {}).items():
+            self._joined[arm] = self._joined.get(arm, 0.0) + spent
         if window is None and len(rows) < self.guard_from:
-            self._joined = 0.0  # a lone row's joins: no guard to charge
+            self._joined = {}  # a lone row's joins: no guard to charge
         if self.guard is not None and window is not None:
             tokens = len(rows) + sum(n for _, n in outcomes)
-            self.guard.observe(len(rows), window == "plain", tokens, seconds)
-            if self._joined > 0.0:  # joins before steps the guard stood aside from too
-                self.guard.charge(len(rows), self._joined)
-            self._joined = 0.0
-        if window == "plain":  # says nothing of whether the policy drafts at this size
-            self._offered = None
+            self.guard.observe(len(rows), window, tokens, seconds)
+            for arm, spent in self._joined.items():  # joins before steps it stood aside from too
+                self.guard.charge(len(rows), arm, spent)
+            self._joined = {}
+        if window and self._offered is not None:  # a barred drafter says nothing of whether
+            self._offered = {a for a in self._offered if not window >> a & 1}  # it pays here
+        if self._offered == set():
+            self._offered = None  # every drafter barred: nothing to count
         else:
             self._count_use(rows)
         if any(k for _, k in rows):

@@ -37,7 +37,7 @@ from mlx_spec import distributed
 from mlx_spec.api import OutputCutter
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_drafters import BatchDrafter, DraftBlock
-from mlx_spec.batch_policy import WINDOWS, BatchChoice, BatchDraftPolicy, RowAsk
+from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
 from mlx_spec.batch_sampling import (
     RowRandom,
     batch_probs,
@@ -292,9 +292,10 @@ class BatchEngine:
         self._joining: _Joining | None = None  # requests being prefilled together
         self._last_settle = time.perf_counter()
         self._prefill_spent = 0.0  # prefill time since the last settled step
-        # Model drafters' joins since then (within the prefill time): a cost of drafting
-        # with them, reported with the next step observed (to the guard, not the step costs).
-        self._join_spent = 0.0
+        # Model drafters' joins since then (within the prefill time), seconds per drafter: a
+        # cost of drafting with them, reported with the next step observed (to the guard, not
+        # the step costs).
+        self._join_spent: dict[int, float] = {}
         self._arm_of: dict[int, int] = {}  # row -> the arm that drafted it this step
         self._size_seen = 0.0  # the batch's size, averaged over its recent steps
         self._last_decode = 0.0  # when the last decoding step started
@@ -359,7 +360,7 @@ class BatchEngine:
         self._drop_cancelled()
         tic = time.perf_counter()
         if not self.active and self._ahead is None:  # idle until now: no step's time
-            self._last_settle, self._prefill_spent, self._join_spent = tic, 0.0, 0.0
+            self._last_settle, self._prefill_spent, self._join_spent = tic, 0.0, {}
         if self._joining is None:
             self._joining = self._form_group()
         group = self._joining
@@ -638,7 +639,7 @@ class BatchEngine:
         if not late:
             return
         self._flush()
-        before = self._join_spent
+        before = sum(self._join_spent.values())
         for row, arm in late:
             if row.done or row.cancelled:
                 continue
@@ -647,7 +648,7 @@ class BatchEngine:
             row.arms.append(arm)
         # Prefill work, as the joins at a prefill: no step's time (the policy's, through
         # `_join_spent`).
-        self._prefill_spent += self._join_spent - before
+        self._prefill_spent += sum(self._join_spent.values()) - before
 
     def _take_in(self, row: _Row, arm: int, hidden, state, common: int) -> None:
         """Drafter `arm` takes the row in (from `state`, sharing `common` tokens with it); the
@@ -657,7 +658,7 @@ class BatchEngine:
         tic = time.perf_counter()
         self.drafters[name].join(row.id, row.tokens, columns, state, common)
         seconds = time.perf_counter() - tic
-        self._join_spent += seconds
+        self._join_spent[arm] = self._join_spent.get(arm, 0.0) + seconds
         if self.drafters[name].feeds_prompt:
             fed = len(row.tokens) - (common if state is not None else 0)
             self.policy.observe_join(arm, fed, seconds)
@@ -724,13 +725,14 @@ class BatchEngine:
             return choice
         only = -1 if choice.only is None else choice.only
         flat = [choice.num_draft, int(choice.probe), choice.catch_up, only]
-        flat.append(WINDOWS.index(choice.window))
+        flat.append(-1 if choice.window is None else choice.window)
         for arm, k in choice.rows:
             flat += [-1 if arm is None else arm, k]
         flat = self.sync.share_ints(flat)
         rows = [(None if a < 0 else a, k) for a, k in zip(flat[5::2], flat[6::2], strict=True)]
         only = None if flat[3] < 0 else flat[3]
-        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, WINDOWS[flat[4]])
+        window = None if flat[4] < 0 else flat[4]
+        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, window)
 
     # --- plain steps, pipelined -------------------------------------------------------------
 
@@ -799,7 +801,7 @@ class BatchEngine:
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
-            joined, self._join_spent = self._join_spent, 0.0
+            joined, self._join_spent = self._join_spent, {}
             self.policy.observe(choice.rows, outcomes, seconds, window=choice.window, joined=joined)
             if self.trace is not None:  # a pipelined step: its time is its pass's
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
@@ -865,7 +867,7 @@ class BatchEngine:
         seconds = time.perf_counter() - self._last_settle - self._prefill_spent
         catch_up, window, joined = choice.catch_up, choice.window, self._join_spent
         self.policy.observe(choice.rows, outcomes, seconds, catch_up, window, joined)
-        self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, 0.0
+        self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, {}
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]

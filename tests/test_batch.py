@@ -894,6 +894,51 @@ def test_the_guard_decodes_plainly_where_speculation_realises_less():
     assert alone > 0.9 and guarded > 0.97 * alone and share < 0.15
 
 
+def _group_realised(policy: BatchDraftPolicy, steps: int = 1500) -> tuple[float, float, float]:
+    """Tokens per ms over `steps` of 8 rows of a group: arm 0 a model drafter (drafts kept
+    with probability 0.8, 3 ms a draft position: its steps look good), whose joins cost 30
+    ms (a row joins every 4th step, where `join_pays` takes it in: a cost no step shows),
+    and arm 1 an n-gram lookup (kept 0.6, 1 ms a draft position); a plain step 10 ms (0.8
+    tokens/ms). Returns the rate and the shares of steps that drafted with each arm."""
+    rng, tokens, ms, used = random.Random(5), 0, 0.0, [0, 0]
+    accept = {0: 0.8, 1: 0.6}
+    for step in range(steps):
+        joined = None
+        if step % 4 == 0 and policy.join_pays(0, 8, True, 80, 64.0):
+            joined, ms = {0: 0.03}, ms + 30
+            policy.observe_join(0, 80, 0.03)
+        asks = [RowAsk([0, 1], None, 8, [None, None], [0, 0]) for _ in range(8)]
+        choice = policy.choose(asks)
+        outcomes, arms = [], set()
+        for arm, k in choice.rows:
+            n = 0
+            while arm is not None and n < k and rng.random() < accept[arm]:
+                n += 1
+            outcomes.append((k, n))
+            if k:
+                arms.add(arm)
+        cost = 10 + choice.num_draft * (1 + 2 * (0 in arms))
+        for arm in arms:
+            used[arm] += 1
+        tokens += sum(1 + n for _, n in outcomes)
+        ms += cost
+        policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window, joined=joined)
+    return tokens / ms, used[0] / steps, used[1] / steps
+
+
+def test_the_guard_bars_the_drafter_of_a_group_that_costs_more_than_it_adds():
+    """A group of a model drafter whose steps look good but whose joins cost more than it
+    adds, and an n-gram lookup that pays: the guard, judging each drafter against the steps
+    without it, bars the model drafter (its rows stop joining it) and keeps the lookup. A
+    guard over the group as a whole could only keep both or bar both: it barred both, and
+    the probe joins left it under plain decoding (0.74 tokens/ms against 0.8); unguarded,
+    the policy drafts with both and pays every join (1.03)."""
+    alone, _, _ = _group_realised(BatchDraftPolicy(["draft", "ngram"], guard=False))
+    guarded, model, lookup = _group_realised(BatchDraftPolicy(["draft", "ngram"]))
+    assert model < 0.1 and lookup > 0.8, (model, lookup)
+    assert guarded > 1.1 and guarded > 1.08 * alone, (guarded, alone)
+
+
 def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():
     """While plain decoding wins, rows unchanged, the full comparison runs on every
     `recheck`-th step only; a change in what rows can draft (a lookup that found a match)
@@ -1010,8 +1055,8 @@ def test_a_drafters_join_is_reported_apart_from_the_steps_time(loaded):
         time.sleep(0.05)
         events.append("join")
 
-    def record(rows, outcomes, seconds, catch_up=0, window=None, joined=0.0):
-        events.append((seconds, joined))
+    def record(rows, outcomes, seconds, catch_up=0, window=None, joined=None):
+        events.append((seconds, sum((joined or {}).values())))
         observe(rows, outcomes, seconds, catch_up, window, joined=joined)
 
     drafter.join, engine.policy.observe = slow_join, record
@@ -1025,26 +1070,26 @@ def test_a_drafters_join_is_reported_apart_from_the_steps_time(loaded):
     assert engine.policy._join_cost[0] > 0.05 / (max(len(r["prompt"]) for r in requests) + 2)
 
 
-def test_the_guard_charges_joins_to_the_policy_and_stands_aside_for_a_lone_row():
-    """Join time reported with a step goes to the policy's side of the guard (no tokens),
-    also when it came before steps the guard stood aside from; a batch of one row is never
-    forced to decode plainly, and its joins are judged without the guard."""
-    policy = BatchDraftPolicy(["draft"])
+def test_the_guard_charges_joins_to_their_drafter_and_stands_aside_for_a_lone_row():
+    """Join time reported with a step goes to its drafter's allowed side of the guard (no
+    tokens), also when it came before steps the guard stood aside from; a batch of one row
+    is never barred from drafting, and its joins are judged without the guard."""
+    policy = BatchDraftPolicy(["ngram", "draft"])
     for _ in range(3):
         policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01)
-    asks = [RowAsk([0], None, 4, [4], [0])] * 2
+    asks = [RowAsk([0, 1], None, 4, [4, None], [0, 0])] * 2
     choice = policy.choose(asks)
-    assert choice.window == "policy"
-    policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01, 0, None, joined=0.03)
-    policy.observe(choice.rows, [(0, 0)] * 2, 0.01, 0, choice.window, joined=0.02)
-    entry = policy.guard.rates[2, (0,), False]
+    assert choice.window == 0  # nothing barred: no size has measured either side yet
+    policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01, 0, None, joined={1: 0.03})
+    policy.observe(choice.rows, [(0, 0)] * 2, 0.01, 0, choice.window, joined={1: 0.02})
+    entry = policy.guard.rates[2, 1, True]
     assert entry[0] == 2 and abs(entry[1] - 0.06) < 1e-9 and entry[2] == 1
-    lone = [RowAsk([0], None, 4, [4], [0])]
+    assert policy.guard.rates[2, 0, True] == [2.0, 0.01, 1.0]  # the lookup: no join
+    lone = [RowAsk([1], None, 4, [None], [0])]
     assert all(policy.choose(lone).window is None for _ in range(100))
-    policy.guard.rates[1, (0,), False] = [1.0, 10.0, 20.0]  # the policy realised far less
-    policy.guard.rates[1, (0,), True] = [10.0, 1.0, 20.0]
-    policy.guard.latest[0] = (0,)
-    assert policy.guard.verdict(1, 0) < 1 and policy.join_pays(0, 1, probe=False)
+    policy.guard.rates[1, 1, True] = [1.0, 10.0, 20.0]  # its steps realised far less
+    policy.guard.rates[1, 1, False] = [10.0, 1.0, 20.0]
+    assert policy.guard.verdict(1, 1) < 1 and policy.join_pays(1, 1, probe=False)
 
 
 def test_a_cheap_join_is_taken_whatever_the_policy_did_lately():
