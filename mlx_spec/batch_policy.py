@@ -102,6 +102,13 @@ class _Merged:
         """As `BatchDraftPolicy.shape` of the plan's rows."""
         return (self.size, *BatchDraftPolicy.shape(plan)[1:])
 
+    def tokens(self, plan: list, gains) -> float:
+        """The tokens the plan's rows emit with E(k) `gains[arm][k]`."""
+        return sum(
+            count * (1.0 if arm is None else gains[arm][k])
+            for (arm, k), count in zip(plan, self.counts, strict=True)
+        )
+
     def catch_up(self, plan: list) -> int:
         """As `BatchDraftPolicy.catch_up` of the plan's rows."""
         return _catch_up(list(zip(plan, self.counts, self.widest, strict=True)))
@@ -455,6 +462,7 @@ class BatchDraftPolicy:
         self._steps = 0  # speculative steps chosen for their rate
         self.recheck = recheck
         self.stop_below = 0.85
+        self.thin = 8.0  # rounds reaching a drafter's first draft, below which it is a guess
         self._quiet: list | None = None  # [the asks' signature, plain steps it still answers]
         self.min_share, self.probe_join, self.use_decay = min_share, probe_join, use_decay
         # Per batch size: per arm, [decayed steps where a row could draft with it, decayed
@@ -535,11 +543,18 @@ class BatchDraftPolicy:
                 choice, gain, score = (arm, k), g, s
         return choice, gain
 
-    def _gains(self) -> list[list[float]]:
-        """E(k) for k = 0..max_draft, per arm."""
+    def _gains(self, hopeful: bool = False) -> list[list[float]]:
+        """E(k) for k = 0..max_draft, per arm; `hopeful`: for an arm with fewer than `thin`
+        rounds behind it, from each position's acceptance plus 1 / sqrt(rounds that reached
+        it + the prior's weight), at most 0.95 (what a few unlucky rounds may hide)."""
         out = []
         for arm in range(len(self.arms)):
             acceptance = self.acceptance(arm)
+            if hopeful and self.trials[arm][0] < self.thin:
+                acceptance = [
+                    max(a, min(0.95, a + (t + self.prior_weight) ** -0.5))
+                    for a, t in zip(acceptance, self.trials[arm], strict=True)
+                ]
             out.append([expected_tokens(acceptance, k) for k in range(self.max_draft + 1)])
         return out
 
@@ -594,10 +609,11 @@ class BatchDraftPolicy:
         untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
         merged = _Merged(asks)
         best, plans, unmeasured, hopeful, hoped = None, {}, None, None, 0.0
-        contender = (1 + self.margin) * plain_rate  # what a width never run must promise
+        contender = (1 + self.margin) * plain_rate  # what a hope must promise to be tried
         # Only a probe or an exploring step runs a width for its hope: other steps leave it.
         exploring = self._since_spec >= self._probe_every
         exploring = exploring or (self._steps + 1) % self.explore_every == 0
+        hopes = self._gains(hopeful=True) if exploring else None
         for big_k in range(1, self._widest(merged.distinct) + 1):
             variants = [None, *untried]
             reach = 0.0  # the most this K may promise (its rate, or its hope where that
@@ -609,9 +625,13 @@ class BatchDraftPolicy:
                     variants += [arm for arm in shape[2] if arm not in variants]
                 spread = merged.catch_up(plan) / self.horizon
                 rate = tokens / self.costs.seconds(*shape, spread)
-                least = self.costs.hope(*shape, spread)  # None: its width ran here
-                if exploring and least is not None and tokens / least > contender:
-                    hope = tokens / least
+                if exploring:  # what it may do: a width never run here at its least
+                    # possible cost, a drafter with few rounds behind it at hopeful acceptance
+                    least = self.costs.hope(*shape, spread) or self.costs.seconds(*shape, spread)
+                    hope = merged.tokens(plan, hopes) / least
+                else:
+                    hope = 0.0
+                if hope > contender:
                     reach = max(reach, hope)
                     if hope > hoped:  # (its rate as the model prices it, K, plan, only)
                         hopeful, hoped = (rate, big_k, plan, only), hope
@@ -660,6 +680,13 @@ class BatchDraftPolicy:
             # probe waits as long as the model's price of this one asks.
             probe = unmeasured or hopeful or best
             self._probe_every = self._next_probe(probe[0], plain_rate)
+            # Until a drafter has a few rounds behind its acceptance, that estimate (and the
+            # loss it predicts) is a guess: two unlucky probes of a cold start would space
+            # the next ones out by hundreds of steps, and a drafter keeping 85% of its
+            # drafts stayed unused. Its probes come at least every `probe_max` steps.
+            drafting = merged.shape(probe[2])[2]
+            if any(self.trials[arm][0] < self.thin for arm in drafting):
+                self._probe_every = min(self._probe_every, self.probe_max)
             rows = merged.rows(probe[2])
             return self._choice(asks, probe[1], rows, probe=True, only=probe[3])
         if signature is not None:
