@@ -370,8 +370,6 @@ class _Guard:
         entry[1] += seconds
 
 
-
-
 @dataclass
 class BatchChoice:
     """K for the step and, per row, (arm or None, k)."""
@@ -474,7 +472,7 @@ class BatchDraftPolicy:
         self.guard_from, self.join_budget = guard_from, join_budget
         self._join_cost: dict[int, float] = {}  # arm -> seconds per token fed at joining
         self._joins: dict[int, int] = {}  # arm -> joins timed
-        self._joined: dict[int, float] = {}  # per drafter, join seconds not yet charged to the guard
+        self._joined: dict[int, float] = {}  # arm -> join seconds not yet charged to the guard
 
     # --- estimates ---------------------------------------------------------------------------
 

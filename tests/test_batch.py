@@ -716,6 +716,188 @@ def test_a_lone_row_finds_the_wide_steps_its_line_prices_wrongly(unlucky):
         assert tokens / seconds >= 1.4 / 8e-3, seed
 
 
+def _group_steps(asks, steps: int, head_ms: float, seed: int) -> list[tuple[int, bool]]:
+    """A policy over rows of a group (arm 0: an MTP head keeping 60% of its drafts, arm 1:
+    n-gram lookup keeping 75%) run for `steps`, a step costing 10 ms + 1 ms per draft
+    position + `head_ms` per draft position if any row drafts with the head; per step its
+    K and whether the head drafted."""
+    policy, rng = BatchDraftPolicy(["mtp", "ngram"]), random.Random(seed)
+    accept = {0: 0.6, 1: 0.75}
+    out = []
+    for _ in range(steps):
+        choice = policy.choose(asks)
+        outcomes = []
+        for arm, k in choice.rows:
+            n = 0
+            while arm is not None and n < k and rng.random() < accept[arm]:
+                n += 1
+            outcomes.append((k, n))
+        big_k = max(k for _, k in choice.rows)
+        head = any(arm == 0 and k for arm, k in choice.rows)
+        seconds = 1e-3 * (10 + big_k + head_ms * big_k * head)
+        policy.observe(choice.rows, outcomes, seconds, window=choice.window)
+        out.append((big_k, head))
+    return out
+
+
+def test_batch_policy_tries_a_drafter_of_the_group_it_never_chose():
+    """The head is tried first (equal priors, first in order) and costs 2 ms a draft; the
+    lookup, never chosen, would keep more for nothing. Exploring steps that try the drafter
+    the plan leaves out find it, and the rows draft with it from then on."""
+    asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(8)]
+    steps = _group_steps(asks, 400, head_ms=2, seed=2)
+    assert sum(k > 0 and not head for k, head in steps[-100:]) >= 80
+
+
+def test_batch_policy_leaves_a_row_undrafted_rather_than_pay_a_drafter_for_it():
+    """The lookup has drafts for seven rows; the head costs 6 ms a draft however few rows
+    use it. The eighth row, with no lookup match, would draft with the head alone and make
+    every step pay its passes: the policy drafts the seven with the lookup and the eighth
+    not at all (each row choosing for itself drafted it with the head on every step)."""
+    asks = [RowAsk([0, 1], None, 8, [None, None]) for _ in range(7)]
+    asks.append(RowAsk([0, 1], None, 8, [None, 0]))
+    heads = [head for k, head in _group_steps(asks, 300, head_ms=6, seed=3) if k]
+    assert sum(heads[-100:]) <= 20
+    assert len(heads) > 150  # it speculates: with the lookup, on most steps
+
+
+def always_draft(engine: BatchEngine, arm: int, k: int = 2) -> None:
+    """Replace the policy's choice by drafting k with `arm` (else a row's first drafter)
+    wherever a row can draft, so that a test's steps do not hang on measured timings (the
+    policy still observes every step, and knows which drafters the rows had, as after its
+    own choice)."""
+
+    def choose(asks):
+        engine.policy._offered = {a for ask in asks for a in ask.arms}
+        rows = []
+        for ask in asks:
+            pick = arm if arm in ask.arms else (ask.arms[0] if ask.arms else None)
+            avail = None if pick is None else ask.available[ask.arms.index(pick)]
+            n = 0 if pick is None else min(k, ask.limit, k if avail is None else avail)
+            rows.append((pick, n) if n > 0 else (None, 0))
+        return BatchChoice(max(n for _, n in rows), rows)
+
+    engine.policy.choose = choose
+    engine.policy.replan = lambda asks, choice: choose(asks)
+
+
+def test_a_row_joins_a_model_drafter_only_where_the_policy_drafts_with_it():
+    """`join_pays`: with few steps seen at a batch size a row joins; where the drafter drafted
+    in under `min_share` of the recent steps of that size it is turned away, but for every
+    `probe_join`-th row (late checks, `probe=False`, never count); where it drafted in more,
+    it joins."""
+    policy = BatchDraftPolicy(["ngram", "draft"], probe_join=3)
+    assert policy.join_pays(1, 8)  # nothing seen at B = 8
+    for _ in range(40):  # B = 8: the lookup drafts, the draft model never
+        policy.observe([(0, 2)] * 8, [(2, 1)] * 8, 0.01)
+    for _ in range(40):  # B = 2: the draft model drafts
+        policy.observe([(1, 2)] * 2, [(2, 1)] * 2, 0.01)
+    assert policy.join_pays(0, 8)
+    assert not any(policy.join_pays(1, 8, probe=False) for _ in range(10))
+    assert [policy.join_pays(1, 8) for _ in range(6)] == [False, False, True] * 2
+    assert policy.join_pays(1, 2, probe=False)
+
+
+def test_a_size_the_policy_has_not_seen_is_priced_by_its_cost_model():
+    """At a batch size without steps of its own (7 rows, on the way down from 8), whether a
+    row joins the draft model follows the cost model fitted at the sizes seen: where verifying
+    costs as much as a plain step per draft (compute-bound) it does not join, and a late check
+    does not take it in; where verifying is nearly free it joins. A drafter never measured
+    joins (its steps must be measured)."""
+    assert BatchDraftPolicy(["draft"]).join_pays(0, 7, probe=False)
+    rng = random.Random(0)
+    for per_draft, pays in [(10e-3, False), (0.2e-3, True)]:
+        policy = BatchDraftPolicy(["draft"])
+        for _ in range(20):
+            policy.observe([(None, 0)] * 8, [(0, 0)] * 8, 10e-3)
+            policy.observe([(None, 0)] * 1, [(0, 0)] * 1, 2e-3)
+        for k in [1, 2, 3] * 10:
+            outcomes = [(k, sum(rng.random() < 0.7 for _ in range(k))) for _ in range(8)]
+            policy.observe([(0, k)] * 8, outcomes, 10e-3 + per_draft * k)
+        assert 7 not in policy._use
+        assert policy.join_pays(0, 7, probe=False) is pays
+
+
+@pytest.mark.parametrize("rows, accept, token_cost", [(8, 0.8, 0.3), (4, 0.6, 0.05), (1, 0.9, 0.0)])
+def test_the_policy_stops_its_search_past_the_best_k_without_changing_its_choice(
+    rows, accept, token_cost
+):
+    """Planning stops at a K well behind the best (past best + 1) and never plans beyond
+    what any row can draft (lookups with matches of 0 to 6 tokens, a draft model): with a
+    step's cost growing with K, every choice equals the one of a search over every K, with
+    fewer plans made (a cap on K too low fails it)."""
+    import copy
+
+    policy, rng = BatchDraftPolicy(["ngram", "draft"]), random.Random(3)
+    planned = {"full": 0, "cut": 0}
+    for step in range(150):
+        asks = [
+            RowAsk([0, 1], None, 8, [rng.choice([0, 1, 3, 6]), None], [0, 0]) for _ in range(rows)
+        ]
+        full = copy.deepcopy(policy)
+        full.stop_below = 0.0
+        for name, p in (("full", full), ("cut", policy)):
+            plan = p._merged_plan
+            p._merged_plan = lambda *a, plan=plan, name=name, **k: (
+                planned.__setitem__(name, planned[name] + 1) or plan(*a, **k)
+            )
+        wide, choice = full.choose(asks), policy.choose(asks)
+        del policy._merged_plan
+        assert (wide.num_draft, wide.rows, wide.only, wide.probe) == (
+            choice.num_draft, choice.rows, choice.only, choice.probe,
+        ), step  # fmt: skip
+        outcomes = []
+        for _, k in choice.rows:
+            outcomes.append((k, sum(1 for _ in range(k) if rng.random() < accept)))
+        width = 1 + choice.num_draft
+        seconds = 1e-3 * (1 + token_cost * rows * width + 0.2 * width)
+        policy.observe(choice.rows, outcomes, seconds, window=choice.window)
+    assert planned["cut"] < planned["full"]
+
+
+def _realised(
+    policy: BatchDraftPolicy, spec_ms: float, hidden_ms: float, steps: int = 800
+) -> tuple[float, float]:
+    """Tokens per ms over `steps` of 8 rows (acceptance 0.5): a plain step costs 10 ms, a
+    speculative one `spec_ms` + 4 ms per draft; each of the 3 plain steps after a speculative
+    one costs `hidden_ms` more (what the step costs leave out: a pipeline of plain steps to
+    start again, rows out of step). Returns the rate and the share of plain steps."""
+    rng, since, tokens, ms, plain = random.Random(4), 99, 0, 0.0, 0
+    for _ in range(steps):
+        asks = [RowAsk([0], None, 8, [None]) for _ in range(8)]
+        choice = policy.choose(asks)
+        outcomes = []
+        for _, k in choice.rows:
+            n = 0
+            while n < k and rng.random() < 0.5:
+                n += 1
+            outcomes.append((k, n))
+        if choice.num_draft:
+            cost, since = spec_ms + 4 * choice.num_draft, 0
+        else:
+            cost, since = 10 + (hidden_ms if since < 3 else 0), since + 1
+            plain += 1
+        tokens += sum(1 + n for _, n in outcomes)
+        ms += cost
+        policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window)
+    return tokens / ms, plain / steps
+
+
+def test_the_guard_decodes_plainly_where_speculation_realises_less():
+    """Plain steps after a speculative one cost 8 ms more, which a step's own cost cannot
+    show: a plain step looks dear, so the policy alone speculates (a step of K = 1 costs
+    16.5 ms for 12 tokens) and realises about 0.72 tokens/ms against plain decoding's 0.8;
+    its guard, comparing windows of the policy's steps with plain ones, decodes plainly
+    nearly all the time. Where speculation pays despite that cost (12 ms a step of K = 1),
+    the guard's plain windows cost it little."""
+    alone, _ = _realised(BatchDraftPolicy(["draft"], guard=False), spec_ms=12.5, hidden_ms=8)
+    guarded, share = _realised(BatchDraftPolicy(["draft"]), spec_ms=12.5, hidden_ms=8)
+    assert alone < 0.74 and guarded > 0.76 and share > 0.85
+    alone, _ = _realised(BatchDraftPolicy(["draft"], guard=False), spec_ms=8, hidden_ms=8)
+    guarded, share = _realised(BatchDraftPolicy(["draft"]), spec_ms=8, hidden_ms=8)
+    assert alone > 0.9 and guarded > 0.97 * alone and share < 0.15
+
+
 def _group_realised(policy: BatchDraftPolicy, steps: int = 1500) -> tuple[float, float, float]:
     """Tokens per ms over `steps` of 8 rows of a group: arm 0 a model drafter (drafts kept
     with probability 0.8, 3 ms a draft position: its steps look good), whose joins cost 30
