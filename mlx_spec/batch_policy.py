@@ -285,8 +285,7 @@ class _Guard:
     decoding, and a group's drafters each against the others: mostly, where the n-gram
     lookup leads and the MTP head trails, the head's windows add it to the lookup and its
     barred windows are the lookup alone (what the head adds, with its joins and
-    catch-ups), and the lookup's barred windows are plain decoding. What a drafter adds
-    depends on the others the rows have, so the rates are kept per set of drafters too.
+    catch-ups), and the lookup's barred windows are plain decoding.
 
     A window is a bitmask of the drafters barred (`BatchChoice.window`; 0: none).
     """
@@ -294,30 +293,25 @@ class _Guard:
     def __init__(self, window=16, settle=4, budget=0.01, least=4, most=64, decay=0.98, first=3):
         self.window, self.settle, self.budget, self.decay = window, settle, budget, decay
         self.least, self.most, self.first = least, most, first
-        # (B, the rows' drafters, drafter, allowed) -> decayed tokens, seconds, steps
-        self.rates: dict[tuple[int, tuple, int, bool], list[float]] = {}
-        self.since: dict[tuple, int] = {}  # (B, drafters, drafter) -> windows since it trailed
+        # (B, drafter, allowed) -> decayed tokens, seconds, steps
+        self.rates: dict[tuple[int, int, bool], list[float]] = {}
+        self.since: dict[tuple[int, int], int] = {}  # (B, drafter) -> windows since it trailed
         self.arms: tuple = ()  # the drafters the current window's rows have
-        self.latest: dict[int, tuple] = {}  # drafter -> the drafters of the last window with it
         self.barred = 0  # the current window's barred drafters (a bitmask)
         self.left = 0  # its steps still to run
         self.unsettled: dict[int, int] = {}  # drafter -> barred steps still counted as allowed
 
-    def ratio(self, rows: int, arms: tuple, arm: int) -> float | None:
+    def ratio(self, rows: int, arm: int) -> float | None:
         """Tokens per second of the steps with drafter `arm` allowed over those with it
-        barred at `rows` rows whose drafters were `arms` (or a size one away, where `rows`
-        has not both); None where neither has."""
+        barred at `rows` rows (or a size one away, where `rows` has not both); None where
+        neither has."""
         for b in sorted((rows, rows - 1, rows + 1), key=lambda b: (abs(b - rows), -b)):
-            on, off = self.rates.get((b, arms, arm, True)), self.rates.get((b, arms, arm, False))
+            on, off = self.rates.get((b, arm, True)), self.rates.get((b, arm, False))
             if on and off and min(on[2], off[2]) >= 4 and on[1] and off[1]:
                 return (on[0] / on[1]) / (off[0] / off[1])
         return None
 
-    def verdict(self, rows: int, arm: int) -> float | None:
-        """`ratio` of drafter `arm` at `rows` rows beside the drafters of the last window
-        that had it (`BatchDraftPolicy.join_pays`: what taking a row into it pays)."""
-        arms = self.latest.get(arm)
-        return None if arms is None else self.ratio(rows, arms, arm)
+    verdict = ratio  # `BatchDraftPolicy.join_pays`: what taking a row into a drafter pays
 
     def window_for(self, rows: int, arms: tuple) -> int:
         """The drafters barred for the next step, of `rows` rows with drafters `arms` (a
@@ -330,9 +324,8 @@ class _Guard:
                 bit = 1 << arm
                 if not fresh and arm in self.arms:
                     barred |= self.barred & bit
-                elif self._bars(rows, arms, arm):
+                elif self._bars(rows, arm):
                     barred |= bit
-                self.latest[arm] = arms
             for arm in arms:
                 bit = 1 << arm
                 if barred & bit and not self.barred & bit:
@@ -345,17 +338,17 @@ class _Guard:
         self.left -= 1
         return self.barred
 
-    def _bars(self, rows: int, arms: tuple, arm: int) -> bool:
-        """Whether drafter `arm` (of the rows' `arms`) is barred in the window starting now
-        (its schedule moves on by one window)."""
-        ratio = self.ratio(rows, arms, arm)
+    def _bars(self, rows: int, arm: int) -> bool:
+        """Whether drafter `arm` is barred in the window starting now (its schedule moves
+        on by one window)."""
+        ratio = self.ratio(rows, arm)
         if ratio is None:
             lead, every = False, self.first
         else:
             lead = ratio < 1.0
             every = int(min(self.most, max(self.least, abs(ratio - 1.0) / self.budget)))
-        behind = self.since.get((rows, arms, arm), 0) + 1
-        self.since[rows, arms, arm] = behind if behind < every else 0
+        behind = self.since.get((rows, arm), 0) + 1
+        self.since[rows, arm] = behind if behind < every else 0
         return lead if behind < every else not lead
 
     def observe(self, rows: int, barred: int, tokens: int, seconds: float) -> None:
@@ -367,14 +360,13 @@ class _Guard:
             if not allowed and self.unsettled.get(arm, 0) > 0:
                 self.unsettled[arm] -= 1
                 allowed = True
-            entry = self.rates.setdefault((rows, self.arms, arm, allowed), [0.0, 0.0, 0.0])
+            entry = self.rates.setdefault((rows, arm, allowed), [0.0, 0.0, 0.0])
             entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
 
     def charge(self, rows: int, arm: int, seconds: float) -> None:
         """Time drafter `arm` spent beside the steps at `rows` rows (taking rows in: no step
         without it would have it), with no tokens: its allowed side's."""
-        arms = self.latest.get(arm, (arm,))
-        entry = self.rates.setdefault((rows, arms, arm, True), [0.0, 0.0, 0.0])
+        entry = self.rates.setdefault((rows, arm, True), [0.0, 0.0, 0.0])
         entry[1] += seconds
 
 

@@ -1088,13 +1088,13 @@ def test_the_guard_charges_joins_to_their_drafter_and_stands_aside_for_a_lone_ro
     assert choice.window == 0  # nothing barred: no size has measured either side yet
     policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01, 0, None, joined={1: 0.03})
     policy.observe(choice.rows, [(0, 0)] * 2, 0.01, 0, choice.window, joined={1: 0.02})
-    entry = policy.guard.rates[2, (0, 1), 1, True]
+    entry = policy.guard.rates[2, 1, True]
     assert entry[0] == 2 and abs(entry[1] - 0.06) < 1e-9 and entry[2] == 1
-    assert policy.guard.rates[2, (0, 1), 0, True] == [2.0, 0.01, 1.0]  # the lookup: no join
+    assert policy.guard.rates[2, 0, True] == [2.0, 0.01, 1.0]  # the lookup: no join
     lone = [RowAsk([1], None, 4, [None], [0])]
     assert all(policy.choose(lone).window is None for _ in range(100))
-    policy.guard.rates[1, (0, 1), 1, True] = [1.0, 10.0, 20.0]  # its steps realised far less
-    policy.guard.rates[1, (0, 1), 1, False] = [10.0, 1.0, 20.0]
+    policy.guard.rates[1, 1, True] = [1.0, 10.0, 20.0]  # its steps realised far less
+    policy.guard.rates[1, 1, False] = [10.0, 1.0, 20.0]
     assert policy.guard.verdict(1, 1) < 1 and policy.join_pays(1, 1, probe=False)
 
 
