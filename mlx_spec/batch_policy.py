@@ -321,17 +321,13 @@ class _Guard:
         if fresh or arms != self.arms:
             barred = 0
             for arm in arms:
-                bit = 1 << arm
-                if not fresh and arm in self.arms:
-                    barred |= self.barred & bit
-                elif self._bars(rows, arm):
-                    barred |= bit
-            for arm in arms:
-                bit = 1 << arm
-                if barred & bit and not self.barred & bit:
+                was = bool(self.barred >> arm & 1)
+                bar = was if not fresh and arm in self.arms else self._bars(rows, arm)
+                if bar and not was:  # its first barred steps still count as allowed
                     self.unsettled[arm] = self.settle
-                elif not barred & bit:
+                elif not bar:
                     self.unsettled.pop(arm, None)
+                barred |= bar << arm
             self.arms, self.barred = arms, barred
             if fresh:
                 self.left = self.window
