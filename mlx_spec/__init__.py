@@ -16,6 +16,10 @@ from mlx_spec import fused  # noqa: E402
 
 fused.install()  # MLX's CPU RoPE and RMSNorm are graphs of small ops: fewer, fused ones
 
+from mlx_spec import short_attention  # noqa: E402
+
+short_attention.install()  # CUDA builds a kernel per shape of a multi-query attention
+
 from mlx_spec.api import (  # noqa: E402
     GenerationChunk,
     GenerationResult,
