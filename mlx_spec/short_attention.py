@@ -21,7 +21,8 @@ other device (Metal, the CPU) go to MLX's function unchanged.
 replaces `mx.fast.scaled_dot_product_attention`, which mlx-lm's models and this package's
 drafters look up at call time. `MLX_SPEC_SHORT_ATTENTION=N` routes up to N queries (default
 `MAX_QUERIES`). `forced()` routes calls as on CUDA whatever the device (the tests compare the
-two paths on the CPU).
+two paths on the CPU); `disabled()` keeps MLX's own for a block (`benchmarks/attention_shapes.py`'s
+A/B).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from mlx_spec.fastmath import env_allows
+from mlx_spec.fastmath import env_allows, switched_off
 
 import mlx.core as mx
 
@@ -132,3 +133,8 @@ def forced():
         yield
     finally:
         _state["forced"] = before
+
+
+def disabled():
+    """MLX's own attention inside the block (the replacement stays, switched off)."""
+    return switched_off(_state)

@@ -108,6 +108,9 @@ def test_routing(monkeypatch):
         run(9)
         run(8)
         assert calls[-1] == 8 and calls.count(9) == 1
+        with short_attention.disabled():
+            run(3)
+        assert calls[-1] == 8
     run(5)
     assert calls[-1] == 8  # outside the block: MLX's own again
 
