@@ -8,9 +8,12 @@ two take turns of `--chunk-steps` steps, each turn timed to the end of its work 
 pass included), so that the machine's drift (a shared 2-core CPU drifts by a quarter between
 runs and more within one) falls on both alike; the first `--warm-chunks` turns of each are not
 counted. Reported: B's tokens per second over A's (over all counted turns, and the median of
-the turns' ratios), and the share of B's steps that drafted, that
-ran in the guard's plain windows (every drafter the rows had barred), and that were the
-policy's own plain steps.
+the turns' ratios), the share of B's steps that drafted, that ran in the guard's plain
+windows (every drafter the rows had barred), and that were the policy's own plain steps, and
+each engine's host time per step (the main thread's CPU time: building the passes, the
+engine's and the drafters' bookkeeping). On a GPU, where a small model's step takes a few
+milliseconds, the host's time is what bounds a pipelined plain step: it is the figure a CPU
+run can show of what speculation's bookkeeping costs there.
 
 With `--vary-tokens LO HI` each request's budget is drawn from LO..HI instead (the same
 draws, request by request, for both engines) and its prompt's length from 40..120 tokens:
@@ -62,23 +65,31 @@ class Clients:
             (rng.randint(40, 120), rng.randint(*vary)) if vary else (None, max_tokens)
             for _ in range(4096)
         ]
-        self.tokens = 0
+        self.tokens, self.host_seconds = 0, 0.0
         self.steps: collections.Counter = collections.Counter()
         engine.row_cache = RowCache()
         if drafter is not None:
-            choose = engine.policy.choose
+            choose, barred = engine.policy.choose, engine.policy.barred
 
-            def counted(asks):
-                choice = choose(asks)
-                offered = {arm for ask in asks for arm in ask.arms}
-                barred = bool(choice.window) and all(choice.window >> a & 1 for a in offered)
-                kind = "plain window" if barred else (
+            def count(choice, offered) -> None:
+                shut = bool(choice.window) and all(choice.window >> a & 1 for a in offered)
+                kind = "plain window" if shut else (
                     "drafted" if choice.num_draft else "policy plain"
                 )  # fmt: skip
                 self.steps[kind] += 1
+
+            def counted(asks):
+                choice = choose(asks)
+                count(choice, {arm for ask in asks for arm in ask.arms})
                 return choice
 
-            engine.policy.choose = counted
+            def counted_barred(size, offered, free):
+                choice = barred(size, offered, free)
+                if choice is not None:
+                    count(choice, offered)
+                return choice
+
+            engine.policy.choose, engine.policy.barred = counted, counted_barred
         for i in range(n):
             self.submit(i, i)
 
@@ -100,13 +111,16 @@ class Clients:
         )  # fmt: skip
 
     def turn(self, steps: int) -> float:
-        """Run `steps` steps; seconds, to the end of the work they queued."""
-        tic = time.perf_counter()
+        """Run `steps` steps; seconds, to the end of the work they queued. The host's share
+        (this thread's CPU time: building passes, the engine's and the drafters' bookkeeping)
+        is added to `host_seconds`."""
+        tic, host = time.perf_counter(), time.thread_time()
         # The other engine's turn is no step's time (as an engine's idle time is not).
         self.engine._last_settle = tic
         for _ in range(steps):
             self.engine.step()
         mx.synchronize()
+        self.host_seconds += time.thread_time() - host
         return time.perf_counter() - tic
 
 
@@ -122,6 +136,9 @@ def measure(model, tokenizer, vocab, drafters, prompts, n: int, mode: str, args)
         order = (0, 1) if chunk % 2 else (1, 0)
         spent = [0.0, 0.0]
         before = [c.tokens for c in engines]
+        if chunk == args.warm_chunks:
+            for c in engines:
+                c.host_seconds = 0.0
         for i in order:
             spent[i] = engines[i].turn(args.chunk_steps)
         if chunk >= args.warm_chunks:
@@ -140,6 +157,9 @@ def measure(model, tokenizer, vocab, drafters, prompts, n: int, mode: str, args)
         "tokens_per_sec": rates[1],
         "over_plain": rates[1] / rates[0],
         "over_plain_per_turn_median": statistics.median(per_chunk),
+        # the host's milliseconds per step (see `Clients.turn`), plain decoding's and B's
+        "plain_host_ms_per_step": 1e3 * engines[0].host_seconds / (args.chunks * args.chunk_steps),
+        "host_ms_per_step": 1e3 * engines[1].host_seconds / (args.chunks * args.chunk_steps),
         "steps": {kind: count / total for kind, count in sorted(steps.items())},
     }
 
@@ -181,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"N={n:<2} {mode:>12}: {row['tokens_per_sec']:7.1f} tok/s against plain "
                 f"{row['plain_tokens_per_sec']:7.1f}: {row['over_plain']:.3f}x  "
-                f"(per turn, median {row['over_plain_per_turn_median']:.3f})  steps: {shares}",
+                f"(per turn, median {row['over_plain_per_turn_median']:.3f})  host "
+                f"{row['host_ms_per_step']:.2f} ms/step against {row['plain_host_ms_per_step']:.2f}"
+                f"  steps: {shares}",
                 flush=True,
             )
     if args.json:

@@ -568,6 +568,26 @@ class BatchDraftPolicy:
 
     # --- choice ------------------------------------------------------------------------------
 
+    def barred(self, size: int, offered: set[int], free: bool) -> BatchChoice | None:
+        """The next step's choice without the rows' asks, where the guard's running window
+        bars every drafter the rows have (`offered`; `free`: no row drafts a fixed k): plain
+        decoding, whatever they would ask, as `choose` would answer. None where the asks are
+        needed (a window starts, the rows' drafters changed, or one is allowed). The asks
+        are a host's work per row and step (an n-gram lookup, each drafter's backlog): on a
+        GPU a small model's plain step is about as short, and the guard's plain windows are
+        most of the steps where speculation does not pay."""
+        guard = self.guard
+        if not (free and offered and guard is not None and size >= self.guard_from):
+            return None
+        arms = tuple(sorted(offered))
+        if self._plain_seen < 2 or guard.left <= 0 or guard.arms != arms:
+            return None
+        if any(not guard.barred >> arm & 1 for arm in arms):
+            return None
+        self._offered = set(offered)
+        guard.left -= 1
+        return BatchChoice(0, [(None, 0)] * size, window=guard.barred)
+
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
         self._offered = {arm for ask in asks for arm in ask.arms}
         free = all(ask.fixed is None for ask in asks) and any(ask.arms for ask in asks)

@@ -702,7 +702,11 @@ class BatchEngine:
         rows = list(self.active)
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
         self._last_decode = time.perf_counter()
-        choice = self._shared(self.policy.choose([self._ask(r) for r in rows]))
+        free = all(not isinstance(r.request.num_draft, int) for r in rows)
+        choice = self.policy.barred(len(rows), {a for r in rows for a in r.arms}, free)
+        if choice is None:  # the guard's plain window does not decide it: the rows ask
+            choice = self.policy.choose([self._ask(r) for r in rows])
+        choice = self._shared(choice)
         plain = not any(k for _, k in choice.rows)
         ids = [r.id for r in rows]
         if self._ahead is not None and (not plain or self._ahead.ids != ids):

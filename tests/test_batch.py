@@ -6,6 +6,7 @@ reproducible whatever runs beside them, and the batch policy's choices."""
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -896,6 +897,37 @@ def test_the_guard_decodes_plainly_where_speculation_realises_less():
     alone, _ = _realised(BatchDraftPolicy(["draft"], guard=False), spec_ms=8, hidden_ms=8)
     guarded, share = _realised(BatchDraftPolicy(["draft"]), spec_ms=8, hidden_ms=8)
     assert alone > 0.9 and guarded > 0.97 * alone and share < 0.15
+
+
+def test_the_guards_plain_windows_are_answered_without_the_rows_asks():
+    """Where the guard's running window bars every drafter the rows have, `barred` answers
+    for the step without the rows' asks (the engine then skips each row's n-gram lookup and
+    drafters' backlogs: a host's work per row and step), with the choice `choose` would have
+    made and the same state after it; elsewhere it leaves the choice to `choose`."""
+    policy, rng, answered = BatchDraftPolicy(["draft"]), random.Random(4), 0
+    since = 99
+    for _ in range(600):
+        asks = [RowAsk([0], None, 8, [None]) for _ in range(8)]
+        twin = copy.deepcopy(policy)
+        choice = policy.barred(8, {0}, True)
+        expected = twin.choose(asks)
+        if choice is None:
+            choice = policy.choose(asks)
+        else:
+            answered += 1
+        assert (choice.num_draft, choice.rows, choice.window) == (
+            expected.num_draft, expected.rows, expected.window
+        )
+        assert (policy.guard.left, policy.guard.barred) == (twin.guard.left, twin.guard.barred)
+        outcomes = [(k, sum(rng.random() < 0.5 for _ in range(k))) for _, k in choice.rows]
+        if choice.num_draft:
+            cost, since = 12.5 + 4 * choice.num_draft, 0
+        else:
+            cost, since = 10 + (8 if since < 3 else 0), since + 1
+        policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window)
+    assert answered > 400  # the guard led with plain decoding: most steps in its windows
+    assert policy.barred(8, {0}, False) is None  # a row drafting a fixed k: the rows ask
+    assert policy.barred(1, {0}, True) is None  # a lone row: no guard
 
 
 def _group_realised(policy: BatchDraftPolicy, steps: int = 1500) -> tuple[float, float, float]:
