@@ -275,6 +275,35 @@ def test_speculative_steps_keep_the_cache_narrow(loaded):
     assert all(idx <= 1.25 * longest + 16 for idx, longest in widths), widths
 
 
+def test_plain_rows_leaving_at_different_steps_keep_the_cache_narrow(loaded):
+    """Plain decoding of requests of different lengths: each row that leaves takes its
+    columns with it, and after its leaving the columns in use exceed the longest row's
+    tokens by at most a tenth and 8 (they were left to reach twice it before: every pass,
+    and every row that joined, paid for the rest)."""
+    model, tok, _, _ = loaded["llama"]
+    tok = with_eos(tok)
+    engine = engine_for(model, tok, {}, max_batch=4)
+    requests = busy_requests(scored_vocab(model, tok), None, 0)
+    widths = []
+    real = engine._remove
+
+    def remove(row, keep_cache):
+        real(row, keep_cache)
+        if engine.cache is not None:
+            group = engine.cache.groups[None]
+            widths.append((group.idx, max(group.lengths)))
+
+    engine._remove = remove
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        assert (
+            tokens
+            == mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
+        )
+    assert len(widths) >= 4
+    assert all(idx <= 1.1 * longest + 8 for idx, longest in widths), widths
+
+
 @pytest.mark.parametrize("drafter", [None, "ngram", "draft-model", "mtp"])
 def test_a_prompt_the_cache_holds_joins_the_batch_at_once(loaded, mtp_target, drafter):
     """A request whose prompt the prompt cache holds all but the last token of joins the
