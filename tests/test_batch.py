@@ -945,7 +945,9 @@ def test_the_guards_plain_windows_are_answered_without_the_rows_asks():
         else:
             answered += 1
         assert (choice.num_draft, choice.rows, choice.window) == (
-            expected.num_draft, expected.rows, expected.window
+            expected.num_draft,
+            expected.rows,
+            expected.window,
         )
         assert (policy.guard.left, policy.guard.barred) == (twin.guard.left, twin.guard.barred)
         outcomes = [(k, sum(rng.random() < 0.5 for _ in range(k))) for _, k in choice.rows]
