@@ -417,6 +417,46 @@ class BatchCache:
             mine.lengths = mine.lengths + theirs.lengths
             mine.offset = mx.array(mine.lengths, mx.int32)
 
+    def place(self, slots: Sequence[int], other: BatchCache) -> bool:
+        """Write `other`'s rows into rows `slots` (rows that left: what they held is dropped),
+        each row's columns ending where this batch's columns in use end, so that every pass
+        attends over no more columns than before: a row leaving and another joining cost a
+        copy of the joining row's keys and values, not two copies of the whole batch's
+        (`filter`, then `extend`). False, and nothing changed, where a joining row has more
+        columns than this batch uses (then `filter` and `extend`)."""
+        if len(slots) != other.batch:
+            raise ValueError(f"{other.batch} rows for {len(slots)} slots")
+        for window, group in self.groups.items():
+            if max(other.groups[window].ends, default=0) > group.idx:
+                return False
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            if (mine.keys is None and mine.positions.idx) or (
+                theirs.keys is None and theirs.positions.idx
+            ):
+                return False
+        for window, group in self.groups.items():
+            theirs, top = other.groups[window], group.idx
+            layers = [
+                (a, b)
+                for a, b in zip(self.layers, other.layers, strict=True)
+                if a.positions is group and a.keys is not None
+            ]
+            for j, slot in enumerate(slots):
+                width = theirs.ends[j]
+                start = top - width
+                row = mx.full((1, group.pos.shape[1]), EMPTY, mx.int32)
+                if width:
+                    row[:, start:top] = theirs.pos[j : j + 1, :width]
+                group.pos[slot : slot + 1] = row
+                for a, b in layers:
+                    if width:
+                        a.keys[slot : slot + 1, :, start:top] = b.keys[j : j + 1, :, :width]
+                        a.values[slot : slot + 1, :, start:top] = b.values[j : j + 1, :, :width]
+                group.ends[slot] = top
+                group.lengths[slot] = theirs.lengths[j]
+            group.offset = mx.array(group.lengths, mx.int32)
+        return True
+
     def extract(self, row: int, model: nn.Module) -> BatchCache:
         """Row `row` as a one-row cache holding only its tokens (no empty columns)."""
         out = BatchCache(model, 1)

@@ -286,6 +286,11 @@ class BatchEngine:
         self.policy = BatchDraftPolicy(self.names, max_draft)
         self.cache: BatchCache | None = None  # the target's, over `active`
         self.active: list[_Row] = []
+        # Rows of `cache` whose rows left since the last decoding step (`_remove`), in order:
+        # the next rows to join are written there (`_extend`); before a step, the rest go.
+        # `active` lists the other rows of `cache`, in order.
+        self._vacant: list[int] = []
+        self._left = False  # a row left since the last decoding step
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -382,7 +387,7 @@ class BatchEngine:
         for row in self.active:
             row.done = True
             row.request.emit(exc)
-        self.active, self.cache, self._ahead = [], None, None
+        self.active, self.cache, self._ahead, self._vacant = [], None, None, []
         for drafter in self.drafters.values():
             drafter.reset()
 
@@ -673,12 +678,49 @@ class BatchEngine:
         return max(float(left), 1.0)
 
     def _extend(self, cache: BatchCache, rows: list[_Row]) -> None:
-        """Rows (and their cache) join the batch after its rows."""
+        """Rows (and their cache) join the batch: into the rows that rows left since the last
+        step, as far as there are such (`BatchCache.place`), after its rows for the rest."""
         if self.cache is None:
-            self.cache = cache
-        else:
-            self.cache.extend(cache)
+            self.cache, self.active = cache, list(rows)
+            return
+        slots = self._vacant[: len(rows)]
+        if slots:
+            placed = len(slots)
+            if placed < len(rows):  # the rest join after the batch's rows
+                rest = cache.copy()
+                rest.filter(range(placed, len(rows)))
+                cache.filter(range(placed))
+            if self.cache.place(slots, cache):
+                for slot, row in zip(slots, rows, strict=False):
+                    self.active.insert(self._logical(slot), row)
+                    self._vacant.remove(slot)
+                if placed == len(rows):
+                    return
+                cache, rows = rest, rows[placed:]
+            elif placed < len(rows):
+                cache.extend(rest)
+        self._settle_vacant()
+        self.cache.extend(cache)
         self.active += rows
+
+    def _logical(self, slot: int) -> int:
+        """Where a row in `cache` row `slot` goes in `active` (the rows before it that are not
+        vacant)."""
+        return slot - sum(1 for v in self._vacant if v < slot)
+
+    def _physical(self, index: int) -> int:
+        """The row of `cache` that `active[index]` is in."""
+        for vacant in self._vacant:  # in order
+            if vacant <= index:
+                index += 1
+        return index
+
+    def _settle_vacant(self) -> None:
+        """Drop the rows that no row took over from the cache."""
+        if self._vacant and self.cache is not None:
+            vacant = set(self._vacant)
+            self.cache.filter([r for r in range(self.cache.batch) if r not in vacant])
+        self._vacant = []
 
     # --- decoding --------------------------------------------------------------------------
 
@@ -699,6 +741,17 @@ class BatchEngine:
         self._join_late()
         if not self.active:
             return
+        self._settle_vacant()
+        if self._left and self._ahead is None:
+            # Rows that leave at different steps (requests of different lengths, or rows a
+            # speculative step put out of step) leave the batch's columns wider than its
+            # longest row, and every later pass attends over them. A row's leaving broke the
+            # pipeline already (a sync costs no more now), so the columns are squeezed to the
+            # longest row's as soon as they exceed it by a tenth (they were left to reach
+            # twice it: plain decoding of 8 rows out of step ran at 0.86x of rows in step,
+            # 0.91x so).
+            self.cache.tidy(slack=0.1, spare=8)
+        self._left = False
         rows = list(self.active)
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
         self._last_decode = time.perf_counter()
@@ -986,7 +1039,7 @@ class BatchEngine:
     # --- leaving -------------------------------------------------------------------------------
 
     def _remove(self, row: _Row, keep_cache: bool) -> None:
-        i = self.active.index(row)
+        i = self._physical(self.active.index(row))
         if row.done and not row.cancelled:
             self._used = _ema(self._used, row.produced / max(row.request.max_tokens, 1), 0.2)
         states = {self.names[a]: self.drafters[self.names[a]].leave(row.id) for a in row.arms}
@@ -996,21 +1049,12 @@ class BatchEngine:
                 one.truncate([len(row.tokens) - 1])
             hidden = mx.concatenate(row.hidden) if row.needs_hidden and row.hidden else None
             self.row_cache.put(row.tokens, one, states, hidden, row.features)
-        self.active.pop(i)
-        rest = [j for j in range(len(self.active) + 1) if j != i]
-        if self.active:
-            self.cache.filter(rest)
-        else:
-            self.cache = None
-        if self.cache is not None:
-            # Rows that leave at different steps (requests of different lengths, or rows a
-            # speculative step put out of step) leave the batch's columns wider than its
-            # longest row, and a joining row is left-padded to that width: every later pass
-            # attends over it. A row's leaving broke the pipeline already (a sync costs no
-            # more now), so the columns are squeezed to the longest row's as soon as they
-            # exceed it by a tenth (they were left to reach twice it: plain decoding of 8
-            # rows out of step ran at 0.86x of rows in step, 0.91x so).
-            self.cache.tidy(slack=0.1, spare=8)
+        self.active.remove(row)
+        if not self.active:
+            self.cache, self._vacant = None, []
+        else:  # its row stays until the next step: a row that joins before it takes it over
+            self._vacant = sorted([*self._vacant, i])
+            self._left = True
 
 
 def token_bytes(model: nn.Module) -> int:

@@ -6,6 +6,7 @@ reproducible whatever runs beside them, and the batch policy's choices."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import random
 import time
@@ -84,6 +85,45 @@ def test_batch_cache_matches_single_stream(loaded, family):
             batch.filter([0, 2])
             batch.extend(one)
             seqs[:] = [seqs[0], seqs[2], seqs[1]]
+    assert batch.lengths == [len(s) - 1 for s in seqs]
+
+
+def _one_row(model, seq: list[int]) -> BatchCache:
+    one = BatchCache(model, 1)
+    one.begin([len(seq) - 1])
+    model(mx.array([seq[:-1]]), cache=one.layers)
+    one.end([len(seq) - 1])
+    return one
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_row_placed_where_a_row_left_matches_single_stream(loaded, family):
+    """Rows that join are written into the rows that rows left (`place`), ending where the
+    batch's columns end: no column more, and every row's logits equal a fresh single-stream
+    pass's as steps go on (gemma3: past its sliding window of 8). A row with more columns
+    than the batch uses is refused, the cache unchanged."""
+    model = loaded[family][0]
+    rng = random.Random(2)
+    seqs = [[rng.randrange(3, 20) for _ in range(n)] for n in (12, 20, 7, 15)]
+    batch = None
+    for s in seqs:
+        one = _one_row(model, s)
+        batch = one if batch is None else (batch.extend(one) or batch)
+    for step in range(30):
+        ragged_step(model, batch, seqs, rng, 3, step)
+        if step in (5, 17):  # rows 1 and 3 leave; two rows join in their places
+            new = [[rng.randrange(3, 20) for _ in range(n)] for n in (6, 11)]
+            group = _one_row(model, new[0])
+            group.extend(_one_row(model, new[1]))
+            columns = batch.columns
+            assert batch.place([1, 3], group)
+            assert batch.columns == columns
+            seqs[1], seqs[3] = new
+        if step == 23:  # a row longer than the batch's columns: refused
+            longer = _one_row(model, [rng.randrange(3, 20) for _ in range(batch.columns + 5)])
+            before = (batch.lengths, batch.columns)
+            assert not batch.place([2], longer)
+            assert (batch.lengths, batch.columns) == before
     assert batch.lengths == [len(s) - 1 for s in seqs]
 
 
@@ -302,6 +342,33 @@ def test_plain_rows_leaving_at_different_steps_keep_the_cache_narrow(loaded):
         )
     assert len(widths) >= 4
     assert all(idx <= 1.1 * longest + 8 for idx, longest in widths), widths
+
+
+@pytest.mark.parametrize("drafter", [None, "draft-model"])
+def test_requests_that_join_as_others_leave_take_their_rows(loaded, monkeypatch, drafter):
+    """Requests waiting while rows end take the rows that ended (`BatchCache.place`): the
+    batch's cache is not copied to drop a row and copied again to add one. Seven requests
+    through three rows: only the last rows' leaving, with no request left to take their
+    place, shrinks it. Every request's tokens are those of plain single-stream decoding."""
+    model, tok, draft, _ = loaded["llama"]
+    tok = with_eos(tok)
+    engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=3)
+    calls = collections.Counter()
+    for name in ("filter", "extend", "place"):
+        real = getattr(BatchCache, name)
+
+        def counted(self, *args, real=real, name=name):
+            if self is engine.cache:
+                calls[name] += 1
+            return real(self, *args)
+
+        monkeypatch.setattr(BatchCache, name, counted)
+    requests = busy_requests(scored_vocab(model, tok), drafter, "auto")
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        want = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == want.tokens
+    assert calls["place"] >= 3 and calls["filter"] <= 2 and calls["extend"] == 0, calls
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram", "draft-model", "mtp"])
