@@ -291,6 +291,10 @@ class BatchEngine:
         # `active` lists the other rows of `cache`, in order.
         self._vacant: list[int] = []
         self._left = False  # a row left since the last decoding step
+        # A joining row takes a row that left (`_extend`); after rows leave, the columns are
+        # squeezed once they exceed the longest row's by this share and 8. The A/B of
+        # `benchmarks/batch_rows.py` sets them as they were (False; 1.0).
+        self.reuse_rows, self.columns_slack = True, 0.1
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -683,7 +687,7 @@ class BatchEngine:
         if self.cache is None:
             self.cache, self.active = cache, list(rows)
             return
-        slots = self._vacant[: len(rows)]
+        slots = self._vacant[: len(rows)] if self.reuse_rows else []
         if slots:
             placed = len(slots)
             if placed < len(rows):  # the rest join after the batch's rows
@@ -748,9 +752,9 @@ class BatchEngine:
             # longest row, and every later pass attends over them. A row's leaving broke the
             # pipeline already (a sync costs no more now), so the columns are squeezed to the
             # longest row's as soon as they exceed it by a tenth (they were left to reach
-            # twice it: plain decoding of 8 rows out of step ran at 0.86x of rows in step,
-            # 0.91x so).
-            self.cache.tidy(slack=0.1, spare=8)
+            # twice it: plain decoding of 8 rows out of step ran at 0.90x of rows in step,
+            # 0.92x so; `benchmarks/batch_rows.py`).
+            self.cache.tidy(slack=self.columns_slack, spare=8)
         self._left = False
         rows = list(self.active)
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
