@@ -301,45 +301,31 @@ def direct_join_run(model, tok, drafters, drafter, vocab):
     return results, again, {i - first_id for i in prefilled}
 
 
-def test_speculative_steps_keep_the_cache_narrow(loaded):
-    """Rows accept drafts by their own amounts and each writes after its own end, so the
-    rejected drafts' columns are reused; columns left of a row (a shorter row that joined, a
-    longer one that left) are compacted once they pass a quarter of what the longest row
-    holds: every pass attends over little more than the rows' tokens (rows join and leave
-    around it; the outputs are those of plain decoding)."""
+@pytest.mark.parametrize(
+    "drafter,step,slack,spare,least",
+    [("draft-model", "_speculative_step", 0.25, 16, 20), (None, "_plain_step", 0.1, 8, 40)],
+)
+def test_steps_keep_the_cache_narrow(loaded, drafter, step, slack, spare, least):
+    """Rows of different lengths join and leave around each other (the outputs are those of
+    plain decoding). Speculative steps: rows accept drafts by their own amounts and each
+    writes after its own end, so the rejected drafts' columns are reused; columns left of a
+    row (a shorter row that joined, a longer one that left) are compacted once they pass a
+    quarter of what the longest row holds. Plain steps: after rows leave, the columns are
+    squeezed once they pass a tenth of it and 8 (they were left to reach twice it before:
+    every pass, and every row that joined, paid for the rest)."""
     model, tok, draft, _ = loaded["llama"]
     tok = with_eos(tok)
     engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
-    requests = busy_requests(scored_vocab(model, tok), "draft-model", 4)
-    widths = widths_after(engine, "_speculative_step")
+    requests = busy_requests(scored_vocab(model, tok), drafter, 4 if drafter else 0)
+    widths = widths_after(engine, step)
     results = run_all(engine, requests)
     for req, (tokens, _) in zip(requests, results, strict=True):
         assert (
             tokens
             == mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
         )
-    assert len(widths) > 20
-    assert all(idx <= 1.25 * longest + 16 for idx, longest in widths), widths
-
-
-def test_plain_rows_leaving_at_different_steps_keep_the_cache_narrow(loaded):
-    """Plain decoding of requests of different lengths: rows leave at different steps, and
-    every step attends over no more than a tenth and 8 columns beyond the longest row's
-    tokens (they were left to reach twice it before: every pass, and every row that joined,
-    paid for the rest)."""
-    model, tok, _, _ = loaded["llama"]
-    tok = with_eos(tok)
-    engine = engine_for(model, tok, {}, max_batch=4)
-    requests = busy_requests(scored_vocab(model, tok), None, 0)
-    widths = widths_after(engine, "_plain_step")
-    results = run_all(engine, requests)
-    for req, (tokens, _) in zip(requests, results, strict=True):
-        assert (
-            tokens
-            == mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"]).tokens
-        )
-    assert len(widths) > 40
-    assert all(idx <= 1.1 * longest + 8 for idx, longest in widths), widths
+    assert len(widths) > least
+    assert all(idx <= (1 + slack) * longest + spare for idx, longest in widths), widths
 
 
 @pytest.mark.parametrize("drafter", [None, "draft-model"])
