@@ -313,6 +313,11 @@ class _Guard:
 
     verdict = ratio  # `BatchDraftPolicy.join_pays`: what taking a row into a drafter pays
 
+    def holds(self, arms: tuple) -> bool:
+        """Whether the next step runs on in the current window (drafters `arms` as its own):
+        `window_for` then answers its bitmask, judging nothing."""
+        return self.left > 0 and arms == self.arms
+
     def window_for(self, rows: int, arms: tuple) -> int:
         """The drafters barred for the next step, of `rows` rows with drafters `arms` (a
         bitmask). A drafter new to the window (a row that joined with it) is judged at
@@ -580,13 +585,12 @@ class BatchDraftPolicy:
         if not (free and offered and guard is not None and size >= self.guard_from):
             return None
         arms = tuple(sorted(offered))
-        if self._plain_seen < 2 or guard.left <= 0 or guard.arms != arms:
+        if self._plain_seen < 2 or not guard.holds(arms):
             return None
         if any(not guard.barred >> arm & 1 for arm in arms):
             return None
         self._offered = set(offered)
-        guard.left -= 1
-        return BatchChoice(0, [(None, 0)] * size, window=guard.barred)
+        return BatchChoice(0, [(None, 0)] * size, window=guard.window_for(size, arms))
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
         self._offered = {arm for ask in asks for arm in ask.arms}

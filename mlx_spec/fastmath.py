@@ -229,13 +229,13 @@ def env_allows(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def switched_off(state: dict):
-    """A fast path's `state["on"]` False inside the block."""
-    before, state["on"] = state["on"], False
+def switched_off(state: dict, key: str = "on", value: bool = False):
+    """A fast path's `state[key]` (`"on"`) set to `value` (False) inside the block."""
+    before, state[key] = state[key], value
     try:
         yield
     finally:
-        state["on"] = before
+        state[key] = before
 
 
 def disabled():

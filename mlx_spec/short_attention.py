@@ -27,7 +27,6 @@ A/B).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from mlx_spec.fastmath import env_allows, switched_off
@@ -104,8 +103,9 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, stream=None, **op
         _state["on"]
         and stream is None
         and not options.get("force_fused", False)
-        and 1 < q.shape[2] <= _limit()
+        and q.shape[2] > 1
         and _on_cuda()
+        and q.shape[2] <= _limit()
     ):
         return attend(q, k, v, scale, mask, options.get("sinks"))
     if stream is not None:
@@ -125,14 +125,9 @@ def install() -> bool:
     return True
 
 
-@contextlib.contextmanager
 def forced():
     """Short queries routed through `attend` inside the block, on any device."""
-    before, _state["forced"] = _state["forced"], True
-    try:
-        yield
-    finally:
-        _state["forced"] = before
+    return switched_off(_state, "forced", True)
 
 
 def disabled():
