@@ -9,7 +9,14 @@ lengths again (shapes already met). Milliseconds per pass, median of the passes,
 attention (on a backend where it is not on, `--force` routes it there anyway). On MLX's CUDA
 backend a multi-query attention builds a kernel per shape: the first column shows it.
 
+With `--prefill`, the same for prompts: a prompt of a length not seen before prefilled in one
+pass into an empty cache (ms per prompt, median over `--passes` lengths from 40 to ~700
+tokens), then the same lengths again, with MLX's attention, short-query attention for verifying
+passes only (`short_only()`: prompt chunks to MLX's), and prompt chunks routed too (up to
+`short_attention.MAX_SCORES` scores).
+
 Run: `python benchmarks/attention_shapes.py --widths 1 2 3 5 9 --rows 1 8`
+     `python benchmarks/attention_shapes.py --prefill --rows 1`
 """
 
 from __future__ import annotations
@@ -49,19 +56,65 @@ def pass_ms(model, rows: int, width: int, passes: int, start: int) -> tuple[floa
     return out[0], out[1]
 
 
+def prefill_ms(model, rows: int, lengths: list[int]) -> tuple[float, float]:
+    """(median ms of a prompt's prefill at lengths new to the backend, at the same again)."""
+    out = []
+    for _ in range(2):
+        times = []
+        for length in lengths:
+            cache = make_prompt_cache(model)
+            x = mx.full((rows, length), 7, dtype=mx.int32)
+            tic = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            times.append((time.perf_counter() - tic) * 1e3)
+        out.append(statistics.median(times))
+    return out[0], out[1]
+
+
+def prefill_rows(model, args) -> list[dict]:
+    modes = {
+        "mlx": short_attention.disabled,
+        "short_only": short_attention.short_only,
+        "routed": contextlib.nullcontext,
+    }
+    if args.force:
+        modes["routed"] = short_attention.forced
+    results, shift = [], 0
+    for rows in args.rows:
+        row = {"rows": rows, "prefill": True}
+        for name, context in modes.items():
+            # 40 .. ~700 tokens, new lengths for every mode (a length seen is a shape built)
+            lengths = [40 + 67 * i + shift for i in range(args.passes)]
+            shift += 1
+            with context():
+                new, seen = prefill_ms(model, rows, lengths)
+            row[f"{name}_new_ms"], row[f"{name}_seen_ms"] = new, seen
+        results.append(row)
+        print(
+            f"B={rows:<2} prefill  "
+            + "   ".join(
+                f"{name}: {row[f'{name}_new_ms']:6.1f} ms new / {row[f'{name}_seen_ms']:6.1f} seen"
+                for name in modes
+            ),
+            flush=True,
+        )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 5, 9])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--passes", type=int, default=10)
     p.add_argument("--force", action="store_true", help="short-query attention on any device")
+    p.add_argument("--prefill", action="store_true", help="prompts' prefill instead of passes")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     model, _ = mlx_spec.load(str(converted_pair()[0]))
     start = 100
-    results = []
-    for rows in args.rows:
+    results = prefill_rows(model, args) if args.prefill else []
+    for rows in [] if args.prefill else args.rows:
         for width in args.widths:
             row = {"rows": rows, "width": width}
             for name in ("mlx", "short"):

@@ -9,20 +9,22 @@ time, so nearly every verifying pass met a new shape: a verifying pass of 3 toke
 where a plain step took 2.2 ms, and every drafter ran at a fraction of plain decoding
 (mlx-lm's own speculative decoding too).
 
-Here, when MLX runs on CUDA and a call has 2..`MAX_QUERIES` queries, attention is computed
+Here, when MLX runs on CUDA and a call has 2..`MAX_QUERIES` queries (or more, while its scores
+stay under `MAX_SCORES` elements: a prompt chunk of a new length meets a new shape too),
+attention is computed
 with ordinary ops: the scaled queries grouped by key/value head, `q @ k^T`, the mask (the
 lower-right "causal" of MLX's, a boolean or an additive array, per row or per head), attention
 sinks as an extra logit, a float32 softmax and `p @ v`. Those kernels take any shape, so a
 verifying pass of 3 tokens costs 4 ms there whatever the length (measured with the same
-patch). A single query, a long prefill chunk, an explicit stream, `force_fused` and every
+patch). A single query, a prompt chunk with more scores, an explicit stream, `force_fused` and every
 other device (Metal, the CPU) go to MLX's function unchanged.
 
 `install()` (idempotent; run when `mlx_spec` is imported, unless `MLX_SPEC_SHORT_ATTENTION=0`)
 replaces `mx.fast.scaled_dot_product_attention`, which mlx-lm's models and this package's
 drafters look up at call time. `MLX_SPEC_SHORT_ATTENTION=N` routes up to N queries (default
 `MAX_QUERIES`). `forced()` routes calls as on CUDA whatever the device (the tests compare the
-two paths on the CPU); `disabled()` keeps MLX's own for a block (`benchmarks/attention_shapes.py`'s
-A/B).
+two paths on the CPU); `disabled()` keeps MLX's own for a block, `short_only()` MLX's own for
+prompt chunks (`benchmarks/attention_shapes.py`'s A/B).
 """
 
 from __future__ import annotations
@@ -35,13 +37,35 @@ import mlx.core as mx
 
 ENV = "MLX_SPEC_SHORT_ATTENTION"  # 0: MLX's own attention everywhere; N: longest query routed
 MAX_QUERIES = 32  # a verifying pass (K + 1 <= 9 by default), a tree's nodes, a DFlash block
+# Longer queries (prompt chunks) are routed too while their scores (rows x heads x queries x
+# keys) stay under this many elements (64 MiB in float32): a new prompt length is a new shape
+# for MLX's kernel, and the ordinary ops write and read the scores a few times per layer,
+# ~0.1 ms at this size on a data-centre GPU against ~40 ms to build a kernel.
+MAX_SCORES = 1 << 24
 
-_state = {"installed": False, "on": True, "forced": False, "original": None, "cuda": None}
+_state = {
+    "installed": False,
+    "on": True,
+    "prefill": True,
+    "forced": False,
+    "original": None,
+    "cuda": None,
+}
 
 
 def _limit() -> int:
     value = os.environ.get(ENV, "").strip()
     return int(value) if value.isdigit() and int(value) > 1 else MAX_QUERIES
+
+
+def _routed(q: mx.array, keys: int) -> bool:
+    """Whether a call of `q` [B, H, T, D] over `keys` keys goes through `attend` (on CUDA)."""
+    queries = q.shape[2]
+    if queries < 2:
+        return False
+    if queries <= _limit():
+        return True
+    return _state["prefill"] and q.shape[0] * q.shape[1] * queries * keys <= MAX_SCORES
 
 
 def _on_cuda() -> bool:
@@ -105,7 +129,7 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, stream=None, **op
         and not options.get("force_fused", False)
         and q.shape[2] > 1
         and _on_cuda()
-        and q.shape[2] <= _limit()
+        and _routed(q, k.shape[2])
     ):
         return attend(q, k, v, scale, mask, options.get("sinks"))
     if stream is not None:
@@ -133,3 +157,8 @@ def forced():
 def disabled():
     """MLX's own attention inside the block (the replacement stays, switched off)."""
     return switched_off(_state)
+
+
+def short_only():
+    """Inside the block only calls of up to `_limit()` queries are routed (no prompt chunks)."""
+    return switched_off(_state, "prefill")

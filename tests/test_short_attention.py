@@ -103,11 +103,22 @@ def test_routing(monkeypatch):
             run(queries)
         run(3, force_fused=False)
         run(4, stream=mx.cpu)  # an explicit stream keeps MLX's own
-        assert calls == [2, 9, 32, 3]
+        assert calls == [2, 9, 32, 33, 3]  # 33 queries: a prompt chunk with few scores
+        # a prompt chunk whose scores pass the bound keeps MLX's own (2 heads x 33 x 40 > bound)
+        monkeypatch.setattr(short_attention, "MAX_SCORES", 2 * 33 * 40 - 1)
+        run(33)
+        assert calls[-1] == 3
+        monkeypatch.setattr(short_attention, "MAX_SCORES", 1 << 24)
+        with short_attention.short_only():
+            run(32)
+            run(33)  # a chunk under the bound, but chunks are not routed in the block
+        assert calls[-1] == 32 and calls.count(33) == 1
         monkeypatch.setenv(short_attention.ENV, "8")
         run(9)
+        with short_attention.short_only():
+            run(9)
         run(8)
-        assert calls[-1] == 8 and calls.count(9) == 1
+        assert calls[-1] == 8 and calls.count(9) == 2
         with short_attention.disabled():
             run(3)
         assert calls[-1] == 8
