@@ -115,10 +115,19 @@ def test_what_it_does_not_cover_goes_to_mlx_lm_unchanged():
 
 def test_small_arrays_keep_mlxs_exp(monkeypatch):
     monkeypatch.setattr(fastmath, "MIN_ELEMENTS", 16384)
-    gate = mx.random.normal((4, 4095)) * 4  # one element short
+    assert fastmath.MIN_SWIGLU == 8192  # SwiGLU's single kernel pays from fewer elements
+    gate = mx.random.normal((4, 2047)) * 4  # 4 elements short
     assert mx.array_equal(fastmath.swiglu(gate, gate), ORIGINAL_SWIGLU(gate, gate))
-    gate = mx.random.normal((4, 4096)) * 4
+    gate = mx.random.normal((4, 2048)) * 4
     assert not mx.array_equal(fastmath.swiglu(gate, gate), ORIGINAL_SWIGLU(gate, gate))
+    # attention keeps MLX's softmax below MIN_ELEMENTS scores (B x heads x queries x keys)
+    q, k = mx.random.normal((1, 4, 1, 16)) * 4, mx.random.normal((1, 4, 4095, 16))
+    want = ORIGINAL_SDPA(q, k, k, None, scale=0.5, mask=None)
+    assert mx.array_equal(fastmath.scaled_dot_product_attention(q, k, k, None, 0.5, None), want)
+    k = mx.random.normal((1, 4, 4096, 16))
+    want = ORIGINAL_SDPA(q, k, k, None, scale=0.5, mask=None)
+    got = fastmath.scaled_dot_product_attention(q, k, k, None, 0.5, None)
+    assert not mx.array_equal(got, want)
 
 
 def test_mlx_lm_models_use_it_whether_imported_before_or_after():
