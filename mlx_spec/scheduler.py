@@ -64,6 +64,10 @@ class Job:
     def put(self, item) -> None:
         if self.loop is None:  # a follower's job: nobody reads it
             return
+        held = getattr(_outbox, "items", None)
+        if held is not None:  # on the engine thread, in a turn: delivered when it ends
+            held.append((self, item))
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down)
@@ -71,6 +75,35 @@ class Job:
 
 
 CANCELLED = object()  # put on a job's queue when the engine drops it
+
+# The chunks a step of the batch engine puts on its rows' queues, delivered together when the
+# step ends: one wake-up of each event loop per step (a step of 8 rows put 8 chunks, each its
+# own cross-thread call and self-pipe write), in order per queue. Solo streams' chunks go at once.
+_outbox = threading.local()
+
+
+def _deliver(items: list) -> None:
+    for job, item in items:
+        job.queue.put_nowait(item)
+
+
+@contextmanager
+def _held_chunks():
+    """Hold the chunks `Job.put` is given on this thread until the block ends."""
+    _outbox.items = held = []
+    try:
+        yield
+    finally:
+        _outbox.items = None
+        by_loop: dict = {}
+        for job, item in held:
+            by_loop.setdefault(job.loop, []).append((job, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is gone (server shutting down)
+                for job, _ in items:
+                    job.cancel_requested = True
 
 
 def _rng_seed() -> int:
@@ -222,7 +255,8 @@ class Engine:
             raise self.error
 
     def _turn(self, turn: list[Job]) -> None:
-        self._batch_turn([job for job in turn if job.batch is not None])
+        with _held_chunks():  # a step's chunks for all its rows, one wake-up per event loop
+            self._batch_turn([job for job in turn if job.batch is not None])
         solo = [job for job in turn if job.batch is None]
         if solo and self.batch is not None and self.batch.threads is not None:
             self.batch.threads.reset()  # solo streams run on the library's own thread count
