@@ -60,14 +60,16 @@ class Job:
     # What rebuilds the job on another rank (a sharded target's followers), and its number.
     spec: dict | None = None
     uid: int = -1
+    delivered: bool = False  # a chunk of it was handed to the event loop
 
     def put(self, item) -> None:
         if self.loop is None:  # a follower's job: nobody reads it
             return
         held = getattr(_outbox, "items", None)
-        if held is not None:  # on the engine thread, in a turn: delivered when it ends
+        if held is not None and self.delivered:  # a step's chunk: delivered when it ends
             held.append((self, item))
             return
+        self.delivered = True  # the first chunk goes at once (the time to first token)
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down)
@@ -78,7 +80,9 @@ CANCELLED = object()  # put on a job's queue when the engine drops it
 
 # The chunks a step of the batch engine puts on its rows' queues, delivered together when the
 # step ends: one wake-up of each event loop per step (a step of 8 rows put 8 chunks, each its
-# own cross-thread call and self-pipe write), in order per queue. Solo streams' chunks go at once.
+# own cross-thread call and self-pipe write), in order per queue. A job's first chunk and solo
+# streams' chunks go at once: a joining row's first token is not held while its drafters take
+# it in and the batch steps.
 _outbox = threading.local()
 
 

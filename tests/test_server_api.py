@@ -341,7 +341,7 @@ def test_a_long_prefill_interleaves_with_other_streams(loaded):
 
 def test_a_batch_steps_chunks_reach_the_event_loop_together():
     """The chunks one step of the batch engine puts on its rows' queues are handed to the event
-    loop in one call (not one per row), each queue's in order."""
+    loop in one call (not one per row), each queue's in order; a job's first chunk at once."""
 
     class Steps:  # a batch engine's surface: every row gets a token per step, 4 in all
         threads = None
@@ -386,6 +386,8 @@ def test_a_batch_steps_chunks_reach_the_event_loop_together():
 
     outputs, calls = asyncio.run(run())
     assert outputs == [[40, 30, 20, 10]] * 3
-    # 4 steps a job, at most 6 in all (jobs admitted over up to three turns): one call each,
-    # against 15 chunks
-    assert len(calls) <= 6
+    # each job's first chunk at once (the time to first token), then one call per step (4 a
+    # job, at most 6 in all: jobs admitted over up to three turns), against 15 chunks
+    firsts = [c for c in calls if getattr(c[0], "__name__", "") == "put_nowait"]
+    assert len(firsts) == 3
+    assert len(calls) - len(firsts) <= 6
