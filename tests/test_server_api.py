@@ -296,6 +296,20 @@ def test_conversation_turns_reuse_the_cache(checkpoints, family, drafter):
 # ------------------------------------------------------------------------ chunked prefill
 
 
+async def _tokens_of(engine: Engine, jobs: list[Job]) -> list[list[int]]:
+    """Submit the jobs, read each one's tokens to its end, close the engine."""
+    for job in jobs:
+        engine.submit(job)
+    outputs = []
+    for job in jobs:
+        tokens = []
+        while (chunk := await job.queue.get()).token is not None:
+            tokens.append(chunk.token)
+        outputs.append(tokens)
+    engine.close()
+    return outputs
+
+
 def test_a_long_prefill_interleaves_with_other_streams(loaded):
     """A long prompt is prefilled one chunk per engine turn: the stream already running gets
     tokens between its chunks; both outputs equal their single-stream greedy outputs."""
@@ -319,16 +333,7 @@ def test_a_long_prefill_interleaves_with_other_streams(loaded):
         loop = asyncio.get_running_loop()
         engine = Engine(max_concurrent=2)
         jobs = [Job(opener("a", short, 16), loop), Job(opener("b", long, 16), loop)]
-        for job in jobs:
-            engine.submit(job)
-        outputs = []
-        for job in jobs:
-            tokens = []
-            while (chunk := await job.queue.get()).token is not None:
-                tokens.append(chunk.token)
-            outputs.append(tokens)
-        engine.close()
-        return outputs
+        return await _tokens_of(engine, jobs)
 
     outputs = asyncio.run(run())
     for prompt, tokens in zip((short, long), outputs, strict=True):
@@ -373,16 +378,7 @@ def test_a_batch_steps_chunks_reach_the_event_loop_together():
         loop.call_soon_threadsafe = lambda *a: calls.append(a) or real(*a)
         engine = Engine(max_concurrent=3, batch=Steps())
         jobs = [Job(None, loop, batch=lambda emit: emit) for _ in range(3)]
-        for job in jobs:
-            engine.submit(job)
-        outputs = []
-        for job in jobs:
-            tokens = []
-            while (chunk := await job.queue.get()).token is not None:
-                tokens.append(chunk.token)
-            outputs.append(tokens)
-        engine.close()
-        return outputs, calls
+        return await _tokens_of(engine, jobs), calls
 
     outputs, calls = asyncio.run(run())
     assert outputs == [[40, 30, 20, 10]] * 3
