@@ -97,12 +97,12 @@ def measure(slow, fast, tokens: int, repeats: int, threads, rows: int, part: str
     return {_key(off): round(a, 3), _key(on): round(b, 3), "speedup": round(a / b, 3)}
 
 
-def _load(target_dir, row_major: bool = False):
-    """The target and its MTP head (with `row_major`: the weights as stored, not rewritten
-    column-major)."""
+def _load(target_dir, layout: str | None = None):
+    """The target and its MTP head, its weights in the layout the loader picks (None), as
+    stored ("0") or column-major ("column")."""
     before = os.environ.get(weight_layout.ENV)
-    if row_major:
-        os.environ[weight_layout.ENV] = "0"
+    if layout is not None:
+        os.environ[weight_layout.ENV] = layout
     try:
         model, _ = mlx_spec.load(str(target_dir))
         head = mlx_spec.load_mtp_drafter(str(target_dir), model).module
@@ -132,8 +132,8 @@ def main(argv=None) -> int:
         print(f"the weights stay as stored here (not the CPU, or {weight_layout.ENV}=0)")
         return 1
     target_dir, _ = converted_pair()
-    model, head = _load(target_dir)
-    twin, twin_head = _load(target_dir, row_major=True) if switch is None else (None, None)
+    model, head = _load(target_dir, "column" if switch is None else None)
+    twin, twin_head = _load(target_dir, "0") if switch is None else (None, None)
     threads = BlasThreads.calibrate(model)
     results = []
     for name, fast_module, slow_module, hidden in (

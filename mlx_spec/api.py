@@ -109,6 +109,8 @@ def load(
         raise ValueError(f"{path_or_hub_id}: cannot load model: {exc}") from exc
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+        weight_layout.decide(model)  # the first model loaded times the layouts
         weight_layout.column_major(model)
     mx.eval(model.parameters())
     object.__setattr__(model, SOURCE_ATTR, local)  # so drafter="mtp" finds <dir>/mtp

@@ -14,20 +14,117 @@ one at a time (one weight's copy at a time in memory), when the default device i
 do quantized layers (MLX's own kernels). Anything that reads the weights (saving, slicing,
 training) sees the same values. The loaders call it after casting to float32 (a later cast
 makes the copy row-major again: it is only a layout).
+
+Which layout is faster depends on the machine: on another 2-core x86 CPU (a Xeon with a large
+shared L3, the same OpenBLAS) whole passes of the demo target ran 1-6% faster with the weights
+as loaded, at every width measured (`benchmarks/fast_math.py --part layout`). So the first
+model `mlx_spec.load` loads in a process is timed both ways (`decide`: passes of 8 rows x 4
+tokens, interleaved, each layout's median) and the faster layout is kept for every model and
+drafter loaded after it (a tie within 1%: column-major). Models too small for the
+timing to mean anything (under 4 MiB of linear weights, such as the tests') and too large to
+hold twice for it (over 2 GiB) are not timed: column-major. `MLX_SPEC_WEIGHT_LAYOUT=0` keeps
+the weights as loaded, `=column` rewrites them without timing.
 """
 
 from __future__ import annotations
+
+import os
+import statistics
+import time
 
 from mlx_spec.fastmath import env_allows
 
 import mlx.core as mx
 import mlx.nn as nn
 
-ENV = "MLX_SPEC_WEIGHT_LAYOUT"  # 0: keep the weights as loaded
+ENV = "MLX_SPEC_WEIGHT_LAYOUT"  # 0: keep the weights as loaded; column: no timing
+MIN_TIMED, MAX_TIMED = 4 << 20, 2 << 30  # bytes of linear weights a timed model holds
+PASS_LIMIT = 0.25  # seconds: a model whose pass takes longer is not timed
+ROUNDS = 7
+
+_decision: dict[str, str | None] = {"layout": None}  # "column" or "row", once timed
 
 
 def enabled() -> bool:
-    return env_allows(ENV) and mx.default_device().type == mx.cpu
+    if mx.default_device().type != mx.cpu or not env_allows(ENV):
+        return False
+    return _decision["layout"] != "row" or _pinned()
+
+
+def _pinned() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "column")
+
+
+def _linears(module: nn.Module) -> list[nn.Linear]:
+    return [
+        layer
+        for _, layer in module.named_modules()
+        if isinstance(layer, nn.Linear)
+        and "weight" in layer
+        and layer["weight"].ndim == 2
+        and mx.issubdtype(layer["weight"].dtype, mx.floating)
+    ]
+
+
+def decide(model: nn.Module) -> str | None:
+    """Time `model` with its weights as loaded and column-major (see the module's docstring),
+    once per process; the layout kept ("column" or "row"), or None where nothing was timed."""
+    if _decision["layout"] is not None or not env_allows(ENV) or _pinned():
+        return _decision["layout"]
+    if mx.default_device().type != mx.cpu:
+        return None
+    layers = _linears(model)
+    size = sum(layer["weight"].nbytes for layer in {id(x["weight"]): x for x in layers}.values())
+    if not MIN_TIMED <= size <= MAX_TIMED:
+        return None
+    try:
+        row, column = _measure(model, layers)
+    except Exception:  # a model that cannot run without its cache: not timed
+        return None
+    if row is None:
+        return None
+    _decision["layout"] = "row" if row < 0.99 * column else "column"
+    return _decision["layout"]
+
+
+def _measure(model: nn.Module, layers: list[nn.Linear]) -> tuple[float | None, float]:
+    """Seconds of a pass (no cache) with the weights as loaded and column-major: each
+    layout's median over `ROUNDS` interleaved rounds. (None, 0) where one pass takes longer
+    than `PASS_LIMIT`. The weights are left as loaded."""
+    stored = [layer["weight"] for layer in layers]
+    copies: dict[int, mx.array] = {}
+    for weight in stored:
+        if id(weight) not in copies:
+            copies[id(weight)] = mx.contiguous(weight.T).T
+    mx.eval(list(copies.values()))
+    layouts = {"row": stored, "column": [copies[id(w)] for w in stored]}
+    # One width: 8 rows of 4 tokens (a batch verifying 3 drafts a row). Adding passes of 1 and
+    # 8 tokens made the choice noisier, not better (on the demo target the ratio of 5 timings
+    # each: 8 x 4 alone 0.92-0.95, with them 0.97-1.02).
+    inputs = [mx.zeros((8, 4), mx.int32)]
+    times: dict[tuple[str, int], list[float]] = {}
+
+    def run(name: str, i: int) -> float:
+        for layer, weight in zip(layers, layouts[name], strict=True):
+            layer["weight"] = weight
+        tic = time.perf_counter()
+        mx.eval(model(inputs[i]))
+        return time.perf_counter() - tic
+
+    try:
+        for name in layouts:  # warm-up (and the limit)
+            for i in range(len(inputs)):
+                if run(name, i) > PASS_LIMIT:
+                    return None, 0.0
+        for r in range(ROUNDS):
+            for name in ("row", "column") if r % 2 else ("column", "row"):
+                for i in range(len(inputs)):
+                    times.setdefault((name, i), []).append(run(name, i))
+    finally:
+        for layer, weight in zip(layers, stored, strict=True):
+            layer["weight"] = weight
+    total = {n: sum(statistics.median(times[n, i]) for i in range(len(inputs))) for n in layouts}
+    return total["row"], total["column"]
 
 
 def column_major(module: nn.Module) -> int:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import threading
 import time
 from contextlib import contextmanager
+
+# Every process of the suite (servers and CLIs it starts too) stores linear weights
+# column-major without timing the layouts on the first model it loads: outputs compared
+# across processes then come from the same products (tests/test_weight_layout.py times them).
+os.environ.setdefault("MLX_SPEC_WEIGHT_LAYOUT", "column")
 
 import mlx_spec  # first: loads the optimized BLAS before mlx
 

@@ -76,3 +76,80 @@ def test_loaded_models_get_it(checkpoints, monkeypatch):
         for _, m in plain.named_modules()
         if isinstance(m, nn.Linear)
     )
+
+
+class _Wide(nn.Module):
+    """Linear weights of just over 4 MiB in all: big enough to be timed."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 512)
+        self.layers = [nn.Linear(512, 1024), nn.Linear(1024, 512)]
+        self.head = nn.Linear(512, 64, bias=False)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = nn.silu(layer(x))
+        return self.head(x)
+
+
+@pytest.fixture
+def undecided(monkeypatch):
+    """No layout decided yet in this process, and none pinned by the environment."""
+    monkeypatch.delenv(weight_layout.ENV, raising=False)
+    monkeypatch.setitem(weight_layout._decision, "layout", None)
+
+
+def test_the_layouts_are_timed_and_the_weights_left_as_loaded(undecided):
+    net = _Wide()
+    mx.eval(net.parameters())
+    layers = weight_layout._linears(net)
+    before = [layer.weight for layer in layers]
+    row, column = weight_layout._measure(net, layers)
+    assert row > 0 and column > 0
+    assert all(layer.weight is w for layer, w in zip(layers, before, strict=True))
+    assert all(memoryview(w).c_contiguous for w in before)
+
+
+@pytest.mark.parametrize(("row", "column", "kept"), [(1.0, 2.0, "row"), (2.0, 1.0, "column")])
+def test_the_faster_layout_is_kept_for_every_model_after(undecided, monkeypatch, row, column, kept):
+    timed = []
+    monkeypatch.setattr(
+        weight_layout, "_measure", lambda model, layers: timed.append(model) or (row, column)
+    )
+    net = _Wide()
+    ids = mx.array([[1, 2, 3]])
+    want = net(ids)
+    assert weight_layout.decide(net) == kept
+    assert weight_layout.decide(_Wide()) == kept and len(timed) == 1  # once per process
+    rewritten = weight_layout.column_major(net)
+    assert rewritten == (3 if kept == "column" else 0)
+    assert all(_column_major(x.weight) == (kept == "column") for x in weight_layout._linears(net))
+    assert mx.allclose(net(ids), want, rtol=1e-5, atol=1e-6).item()
+    small = _Net()  # a drafter loaded later follows the decision
+    assert weight_layout.column_major(small) == (3 if kept == "column" else 0)
+    # a tie within 1% keeps column-major
+    monkeypatch.setitem(weight_layout._decision, "layout", None)
+    monkeypatch.setattr(weight_layout, "_measure", lambda model, layers: (0.995, 1.0))
+    assert weight_layout.decide(_Wide()) == "column"
+
+
+def test_what_is_not_timed(undecided, monkeypatch):
+    monkeypatch.setattr(weight_layout, "_measure", lambda model, layers: pytest.fail("timed"))
+    assert weight_layout.decide(_Net()) is None  # a few KiB of weights: column-major
+    monkeypatch.setattr(weight_layout, "MAX_TIMED", 1 << 20)
+    assert weight_layout.decide(_Wide()) is None  # more than the bound: not held twice
+    monkeypatch.setattr(weight_layout, "MAX_TIMED", 2 << 30)
+    for pinned in ("column", "0"):
+        monkeypatch.setenv(weight_layout.ENV, pinned)
+        assert weight_layout.decide(_Wide()) is None
+    assert weight_layout._decision["layout"] is None
+
+
+def test_a_model_slower_than_the_limit_is_not_timed(undecided, monkeypatch):
+    monkeypatch.setattr(weight_layout, "PASS_LIMIT", 0.0)
+    net = _Wide()
+    assert weight_layout.decide(net) is None
+    assert weight_layout._decision["layout"] is None
+    assert all(memoryview(x.weight).c_contiguous for x in weight_layout._linears(net))
