@@ -269,15 +269,19 @@ def spec_server(args, slots: int) -> ServerProcess:
 
 # mlx_lm.server started with mlx-spec's CPU fast paths: `import mlx_spec` installs the
 # vectorized exp and the fused RoPE / RMSNorm; mlx-lm's loader is wrapped so that the model's
-# linear weights are stored column-major, as `mlx_spec.load` stores them.
+# linear weights get the layout `mlx_spec.load` gives them (timed on this machine).
 _PEER_FAST = """
 import runpy
 import mlx_spec
+import mlx.core as mx
 import mlx_lm.utils
 from mlx_spec import weight_layout
 _load_model = mlx_lm.utils.load_model
 def load_model(*args, **kwargs):
     model, config = _load_model(*args, **kwargs)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    weight_layout.decide(model)
     weight_layout.column_major(model)
     return model, config
 mlx_lm.utils.load_model = load_model
@@ -287,7 +291,7 @@ runpy.run_module("mlx_lm.server", run_name="__main__")
 
 def peer_server(model_dir: Path, fast_math: bool = False) -> ServerProcess:
     """mlx_lm.server; with `fast_math`, with mlx-spec's CPU fast paths too (the vectorized exp,
-    the fused RoPE / RMSNorm, column-major linear weights: `_PEER_FAST`)."""
+    the fused RoPE / RMSNorm, the linear weights' layout: `_PEER_FAST`)."""
     if fast_math:
         command = [sys.executable, "-c", _PEER_FAST]
     else:
@@ -443,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peer-fast-math",
         action="store_true",
         help="give mlx_lm.server mlx-spec's CPU fast paths too (vectorized exp, fused RoPE and "
-        "RMSNorm, column-major weights; by default it runs MLX's own)",
+        "RMSNorm, the weights' layout mlx-spec picks; by default it runs MLX's own)",
     )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
