@@ -11,13 +11,12 @@ where a plain step took 2.2 ms, and every drafter ran at a fraction of plain dec
 
 Here, when MLX runs on CUDA and a call has 2..`MAX_QUERIES` queries (or more, while its scores
 stay under `MAX_SCORES` elements: a prompt chunk of a new length meets a new shape too),
-attention is computed
-with ordinary ops: the scaled queries grouped by key/value head, `q @ k^T`, the mask (the
-lower-right "causal" of MLX's, a boolean or an additive array, per row or per head), attention
-sinks as an extra logit, a float32 softmax and `p @ v`. Those kernels take any shape, so a
-verifying pass of 3 tokens costs 4 ms there whatever the length (measured with the same
-patch). A single query, a prompt chunk with more scores, an explicit stream, `force_fused` and every
-other device (Metal, the CPU) go to MLX's function unchanged.
+attention is computed with ordinary ops: the scaled queries grouped by key/value head,
+`q @ k^T`, the mask (the lower-right "causal" of MLX's, a boolean or an additive array, per
+row or per head), attention sinks as an extra logit, a float32 softmax and `p @ v`. Those
+kernels take any shape, so a verifying pass of 3 tokens costs 4 ms there whatever the length
+(measured with the same patch). A single query, a prompt chunk with more scores, an explicit
+stream, `force_fused` and every other device (Metal, the CPU) go to MLX's function unchanged.
 
 `install()` (idempotent; run when `mlx_spec` is imported, unless `MLX_SPEC_SHORT_ATTENTION=0`)
 replaces `mx.fast.scaled_dot_product_attention`, which mlx-lm's models and this package's
