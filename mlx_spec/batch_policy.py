@@ -154,10 +154,37 @@ class _Costs:
     set, B, K) also keeps the average of its own steps' cost beyond the plain step (steps without a
     catch-up: the first steps after a plain stretch carry one, which the line places on c3),
     and where it has some, the prediction leans on it over the line (a step of its own
-    weighs as much as the line)."""
+    weighs as much as the line).
 
-    def __init__(self, decay: float = 0.97, alpha: float = 0.2, prior_weight: float = 3.0):
+    Two costs a step may carry are no width's: the switch out of plain decoding (the first
+    speculative step after plain ones: on an H100 at 8 rows it took 0-5 ms more than the
+    next ones, about a plain step, at random) and turnover (rows joined or left just before:
+    the step runs the batch's cache formed anew). A switch step's cost beyond its width's
+    goes to a running average per drafter set (`switch`), which a speculative step chosen
+    after plain ones pays, spread over the `horizon` steps it is expected to start; the
+    width learns from the steps after it. Turnover costs plain and speculative steps alike:
+    its average per batch size is learnt from the plain steps that carried it (`turnover`)
+    and taken off the speculative steps that did (plain decoding is most steps and would
+    soon forget one; the few probes that price speculation while it trails would carry it
+    for long: at 8 rows on an H100 the policy priced every speculative step at 10-15 ms
+    where a run of them took 5).
+
+    The first step of a shape (drafters, B, K) may build its kernels (MLX compiles them on a
+    GPU at first use: on an H100, 10-40 ms against 3-5 ms a step): a first step costing over
+    twice its price is set aside, and the next one of its shape prices it. Kept, it priced
+    speculation out for the whole life of a server's engine (every H100 run's first engine
+    to speculate decoded plainly at 8 rows with its K = 1 cell at 17 ms and its switch at
+    13; the engines after it, in the same process, drafted on 80-95% of the steps)."""
+
+    def __init__(
+        self, decay: float = 0.97, alpha: float = 0.2, prior_weight: float = 3.0, horizon=8
+    ):
         self.decay, self.alpha, self.prior_weight = decay, alpha, prior_weight
+        self.horizon = horizon
+        self.switch: dict[tuple, float] = {}  # arms -> a switch step's cost beyond its width's
+        self.turnover: dict[int, float] = {}  # B -> a step's cost of rows joining or leaving
+        self.switching = True  # the last step observed was plain: speculation pays a switch
+        self.seen: set[tuple] = set()  # (arms, B, K) of the speculative steps observed
         self.plain: dict[int, float] = {}
         self.fits: dict[tuple, list] = {}  # arms -> [x^T x (4x4), x^T y (4)]
         self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2, c3), until a step
@@ -201,12 +228,27 @@ class _Costs:
         plain = self.plain_seconds(rows)
         if big_k == 0:
             return plain
+        return self.width_seconds(rows, big_k, arms, catch_up) + self.switch_share(arms)
+
+    def width_seconds(self, rows: int, big_k: int, arms: tuple, catch_up: float = 0.0) -> float:
+        """A speculative step's seconds without a switch (one in a run of them)."""
         c0, c1, c2, c3 = self.weights(arms)
         extra = c0 + big_k * (c1 + c2 * rows)
         cell = self.cells.get((arms, rows, big_k))
         if cell is not None:  # the cell's own steps, as much as they weigh, over the line
             extra = (cell[0] + extra) / (cell[1] + 1.0)
-        return plain + extra + c3 * catch_up
+        return self.plain_seconds(rows) + extra + c3 * catch_up
+
+    def switch_share(self, arms: tuple) -> float:
+        """What a speculative step chosen now pays of a switch out of plain decoding."""
+        return self.switch.get(arms, 0.0) / self.horizon if self.switching else 0.0
+
+    def turnover_seconds(self, rows: int) -> float:
+        """A step's seconds of rows joining or leaving before it (the nearest size's)."""
+        if not self.turnover:
+            return 0.0
+        near = min(self.turnover, key=lambda b: (abs(b - rows), -b))
+        return self.turnover[near]
 
     def hope(self, rows: int, big_k: int, arms: tuple, catch_up: float = 0.0) -> float | None:
         """The least a step of `rows` rows and K = `big_k` with drafters `arms` may cost where
@@ -227,7 +269,7 @@ class _Costs:
     def _hope(self, rows: int, big_k: int, arms: tuple, catch_up: float) -> float | None:
         if big_k == 0 or (arms, rows, big_k) in self.cells:
             return None
-        least = self.plain_seconds(rows)
+        least = self.plain_seconds(rows) + self.switch_share(arms)
         below, above = None, None  # the nearest measured widths at this size
         for (a, b, k), (total, weight) in self.cells.items():
             if a != arms or b > rows or weight <= 0:
@@ -244,14 +286,40 @@ class _Costs:
             least = max(least, below[1] + share * (above[1] - below[1]))
         return least + self.weights(arms)[3] * catch_up
 
-    def observe(self, rows: int, big_k: int, arms: tuple, seconds: float, catch_up=0) -> None:
+    def observe(
+        self,
+        rows: int,
+        big_k: int,
+        arms: tuple,
+        seconds: float,
+        catch_up=0,
+        disturbed: bool = False,
+    ) -> None:
+        """A step ran (`disturbed`: rows joined or left just before it)."""
         self._memo.clear()
+        switch, self.switching = self.switching and big_k > 0, big_k == 0
         if big_k == 0:
             old = self.plain.get(rows)
-            self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
+            if disturbed and old is not None:
+                spent = max(0.0, seconds - old)
+                before = self.turnover.get(rows)
+                self.turnover[rows] = spent if before is None else _ema(before, spent, self.alpha)
+            else:
+                self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
             self._solved.clear()
             return
-        predicted = self.seconds(rows, big_k, arms, catch_up)
+        if disturbed:
+            seconds = max(self.plain_seconds(rows), seconds - self.turnover_seconds(rows))
+        predicted = self.width_seconds(rows, big_k, arms, catch_up)
+        first = (arms, rows, big_k) not in self.seen
+        self.seen.add((arms, rows, big_k))
+        if first and seconds > 2 * predicted + switch * self.switch.get(arms, 0.0):
+            return  # a shape's first step built its kernels: the next one prices it
+        if switch:  # what the switch cost beyond the width's price; the width learns after
+            spent = max(0.0, min(seconds, 3 * predicted) - predicted)
+            before = self.switch.get(arms)
+            self.switch[arms] = spent if before is None else _ema(before, spent, self.alpha)
+            return
         extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
         if not catch_up:  # a catch-up's cost is the line's to place (c3), not the cell's
             cell = self.cells.setdefault((arms, rows, big_k), [0.0, 0.0])
@@ -453,7 +521,8 @@ class BatchDraftPolicy:
         self.margin = margin
         self.probe_min, self.probe_max, self.probe_budget = probe_min, probe_max, probe_budget
         self.explore_every, self.horizon = explore_every, horizon
-        self.costs = _Costs(decay)
+        self.costs = _Costs(decay, horizon=horizon)
+        self._follow: list | None = None  # the rows of the switch step just observed (`_choose`)
         self._plain_seen = 0  # plain steps measured (the first ones set the cost prior)
         self._speculating = False
         self._since_spec = 0
@@ -607,6 +676,22 @@ class BatchDraftPolicy:
         return choice
 
     def _choose(self, asks: list[RowAsk]) -> BatchChoice:
+        follow, self._follow = self._follow, None
+        if follow is not None and len(follow) == len(asks):
+            # A switch step's cost is not its width's: the next step, each row drafting with
+            # the same drafter to the same K where it still can, prices the width.
+            big_k, rows, gains = max(k for _, k in follow), [], self._gains()
+            for ask, (arm, _) in zip(asks, follow, strict=True):
+                if ask.fixed is not None:  # (its k whatever the batch's K)
+                    rows.append(self._row_plan(ask, big_k, gains, len(asks))[0])
+                    continue
+                n = 0
+                if arm is not None and arm in ask.arms:
+                    avail = ask.available[ask.arms.index(arm)]
+                    n = min(big_k, ask.limit, self.max_draft if avail is None else avail)
+                rows.append((arm, n) if n > 0 else (None, 0))
+            if any(n for _, n in rows):
+                return self._choice(asks, max(n for _, n in rows), rows)
         signature = self._signature(asks)
         quiet = self._quiet
         if quiet is not None and quiet[0] == signature and quiet[1] > 0:
@@ -876,6 +961,7 @@ class BatchDraftPolicy:
         catch_up: int = 0,
         window: int | None = None,
         joined: dict[int, float] | None = None,
+        disturbed: bool = False,
     ) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
         accepted); it took `seconds`, `catch_up` tokens of it catching up, in the guard's
@@ -883,7 +969,12 @@ class BatchDraftPolicy:
         since the last step. A join is a row's cost, once, not a step's: the step costs leave
         it out (fitted as a step's, it would price every speculative step as the first after
         a join, and the policy would stop drafting where a join pays for itself many times
-        over); the guard counts it as its drafter's, so that joins that do not pay lose."""
+        over); the guard counts it as its drafter's, so that joins that do not pay lose.
+
+        `disturbed`: rows joined or left the batch since the last step, and the step also
+        ran what that left queued (the batch's cache re-formed: rows written in, dropped,
+        columns squeezed), whatever K it had: the guard counts it as it came, the step costs
+        take that cost apart (`_Costs`)."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
         for arm, spent in (joined or {}).items():
             self._joined[arm] = self._joined.get(arm, 0.0) + spent
@@ -906,7 +997,9 @@ class BatchDraftPolicy:
         else:
             self._since_spec += 1
             self._plain_seen += 1
-        self.costs.observe(*self.shape(drafted), seconds, catch_up)
+        shape = self.shape(drafted)
+        self._follow = list(rows) if shape[1] and self.costs.switching else None
+        self.costs.observe(*shape, seconds, catch_up, disturbed)
         for (arm, asked), (_, accepted) in zip(rows, outcomes, strict=True):
             if arm is None or asked <= 0:
                 continue

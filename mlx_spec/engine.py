@@ -291,6 +291,9 @@ class BatchEngine:
         # `active` lists the other rows of `cache`, in order.
         self._vacant: list[int] = []
         self._left = False  # a row left since the last decoding step
+        # Rows joined or left since the last step observed: the next one runs what that
+        # left queued (`BatchDraftPolicy.observe`'s `disturbed`).
+        self._turnover = False
         # A joining row takes a row that left (`_extend`); after rows leave, the columns are
         # squeezed once they exceed the longest row's by this share and 8. The A/B of
         # `benchmarks/batch_rows.py` sets them as they were (False; 1.0).
@@ -706,6 +709,7 @@ class BatchEngine:
         self._settle_vacant()
         self.cache.extend(cache)
         self.active += rows
+        self._turnover = True
 
     def _logical(self, slot: int) -> int:
         """Where a row in `cache` row `slot` goes in `active` (the rows before it that are not
@@ -863,7 +867,15 @@ class BatchEngine:
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
             joined, self._join_spent = self._join_spent, {}
-            self.policy.observe(choice.rows, outcomes, seconds, window=choice.window, joined=joined)
+            turnover, self._turnover = self._turnover, False
+            self.policy.observe(
+                choice.rows,
+                outcomes,
+                seconds,
+                window=choice.window,
+                joined=joined,
+                disturbed=turnover,
+            )
             if self.trace is not None:  # a pipelined step: its time is its pass's
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
                 step = StepTrace(len(ahead.ids), 0, 0, emitted, *spans, *self._widths())
@@ -927,7 +939,10 @@ class BatchEngine:
         # its row's cost: the policy hands it to the guard, not to the step costs).
         seconds = time.perf_counter() - self._last_settle - self._prefill_spent
         catch_up, window, joined = choice.catch_up, choice.window, self._join_spent
-        self.policy.observe(choice.rows, outcomes, seconds, catch_up, window, joined)
+        turnover, self._turnover = self._turnover, False
+        self.policy.observe(
+            choice.rows, outcomes, seconds, catch_up, window, joined, disturbed=turnover
+        )
         self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, {}
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]
@@ -1058,7 +1073,7 @@ class BatchEngine:
             self.cache, self._vacant = None, []
         else:  # its row stays until the next step: a row that joins before it takes it over
             self._vacant = sorted([*self._vacant, i])
-            self._left = True
+            self._left = self._turnover = True
 
 
 def token_bytes(model: nn.Module) -> int:
