@@ -1232,6 +1232,24 @@ def test_a_cheap_join_is_taken_whatever_the_policy_did_lately():
     assert not policy.join_pays(0, 4, probe=False)
 
 
+def test_a_guard_reading_plain_against_plain_takes_no_join():
+    """At a size where the policy has hardly drafted with a model drafter, the guard's
+    allowed windows were plain steps too: a ratio of 1 or more there is noise, and rows do
+    not join the drafter for it (every `probe_join`-th still does); where the policy drafts
+    with it, the guard's verdict stands."""
+    policy = BatchDraftPolicy(["draft"])
+    for _ in range(40):  # 8 rows that could draft with it, plain steps only
+        policy.observe([(0, 0)] * 8, [(0, 0)] * 8, 0.01)
+    policy.guard.rates[8, 0, True] = [80.0, 1.0, 20.0]  # allowed: as good as barred
+    policy.guard.rates[8, 0, False] = [80.0, 1.0, 20.0]
+    assert policy.guard.verdict(8, 0) == 1.0
+    assert not policy.join_pays(0, 8, probe=False)
+    assert [policy.join_pays(0, 8) for _ in range(policy.probe_join)][-1]
+    for _ in range(40):  # now it drafts with it
+        policy.observe([(0, 2)] * 8, [(2, 1)] * 8, 0.015)
+    assert policy.join_pays(0, 8, probe=False)
+
+
 def test_a_failed_join_fails_its_rows_and_the_engine_serves_on(loaded):
     """A drafter's join that raises (out of memory, say) ends the joining rows with the
     error, once; it is not retried every step (which held those rows, and every request
