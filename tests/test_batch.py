@@ -686,6 +686,18 @@ def test_seeded_row_is_the_same_whether_its_prompt_was_cached(pair):  # noqa: F8
 # ---------------------------------------------------------------------------------- policy
 
 
+def outcomes_of(rows, rng: random.Random, accept: float) -> list[tuple[int, int]]:
+    """(drafted, accepted) per row of a step's `rows` ((arm, k) each): each draft kept, in
+    order, with probability `accept`."""
+    out = []
+    for _, k in rows:
+        n = 0
+        while n < k and rng.random() < accept:
+            n += 1
+        out.append((k, n))
+    return out
+
+
 def drive(
     policy: BatchDraftPolicy, rows: int, accept: float, token_cost: float, steps=300, cost=None
 ):
@@ -697,12 +709,7 @@ def drive(
         asks = [RowAsk([0], None, 8, [None]) for _ in range(rows)]
         choice = policy.choose(asks)
         ks.append(choice.num_draft)
-        outcomes = []
-        for _, k in choice.rows:
-            n = 0
-            while n < k and rng.random() < accept:
-                n += 1
-            outcomes.append((k, n))
+        outcomes = outcomes_of(choice.rows, rng, accept)
         width = 1 + max(k for _, k in choice.rows)
         seconds = 1e-3 * (1 + token_cost * rows * width + 0.2 * (width - 1))
         if cost is not None:
@@ -752,12 +759,7 @@ def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
     for _ in range(10):
         policy.observe([(None, 0)] * 8, [(0, 0)] * 8, cost(1))
     for k in [2, 3, 4] * 30:
-        outcomes = []
-        for _ in range(8):
-            n = 0
-            while n < k and rng.random() < 0.75:
-                n += 1
-            outcomes.append((k, n))
+        outcomes = outcomes_of([(0, k)] * 8, rng, 0.75)
         policy.observe([(0, k)] * 8, outcomes, cost(k + 1))
     assert policy.costs.seconds(8, 1, (0,)) > 1.2 * cost(2)  # the line's price of K = 1
     ks = drive(policy, rows=8, accept=0.75, token_cost=0, cost=cost)
@@ -947,12 +949,7 @@ def _realised(
     for _ in range(steps):
         asks = [RowAsk([0], None, 8, [None]) for _ in range(8)]
         choice = policy.choose(asks)
-        outcomes = []
-        for _, k in choice.rows:
-            n = 0
-            while n < k and rng.random() < 0.5:
-                n += 1
-            outcomes.append((k, n))
+        outcomes = outcomes_of(choice.rows, rng, 0.5)
         if choice.num_draft:
             cost, since = spec_ms + 4 * choice.num_draft, 0
         else:
@@ -1371,12 +1368,7 @@ def test_a_switch_out_of_plain_decoding_is_priced_apart_from_the_width():
     ks = []
     for _ in range(400):
         choice = policy.choose([RowAsk([0], None, 8, [None]) for _ in range(8)])
-        outcomes = []
-        for _, k in choice.rows:
-            n = 0
-            while n < k and rng.random() < 0.85:
-                n += 1
-            outcomes.append((k, n))
+        outcomes = outcomes_of(choice.rows, rng, 0.85)
         seconds = 3e-3 if not choice.num_draft else 4.5e-3 + 0.2e-3 * choice.num_draft
         if choice.num_draft and (not ks or not ks[-1]):
             seconds += 5e-3
