@@ -174,7 +174,8 @@ class _Costs:
     twice its price is set aside, and the next one of its shape prices it. Kept, it priced
     speculation out for the whole life of a server's engine (every H100 run's first engine
     to speculate decoded plainly at 8 rows with its K = 1 cell at 17 ms and its switch at
-    13; the engines after it, in the same process, drafted on 80-95% of the steps)."""
+    13; the engines after it, in the same process, drafted on 45% (guard on) and 96%
+    (guard off) of the steps)."""
 
     def __init__(
         self, decay: float = 0.97, alpha: float = 0.2, prior_weight: float = 3.0, horizon=8
