@@ -474,7 +474,9 @@ class BatchDraftPolicy:
             over them when choosing).
         min_share, probe_join, use_decay: `join_pays` (see the module): the share of steps
             (decayed by `use_decay` per step of the same batch size) below which a joining
-            row skips a model drafter, and every how many skipped rows one joins anyway.
+            row skips a model drafter, and every how many skipped rows one joins anyway
+            (more of them where the guard found the drafter's steps realising less: see
+            `join_pays`).
         guard: check each drafter's steps against steps without it over windows of steps
             (`_Guard`), and bar it where they realise less, at `guard_from` rows or
             more (a lone row has no rows out of step, and the pipeline's restart and the
@@ -870,7 +872,11 @@ class BatchDraftPolicy:
         else whether the
         policy drafted with it in at least `min_share` of the recent steps of that many rows
         (where it saw a few; else where `_predicts` says drafting with it pays there); or
-        (`probe`) every `probe_join`-th row it would turn away. A size the batch passes
+        (`probe`) every `probe_join`-th row it would turn away (where the guard's verdict is
+        that the drafter loses, a join's cost and the loss it keeps measuring buy less: every
+        `probe_join` times `(1 - ratio) / 0.05` rows, at most `probe_join` squared; at 16
+        rows of the demo pair the draft model, read at 0.8, took every 8th row in, about 4%
+        of the run). A size the batch passes
         through on its way down (8 rows, then 7 as a row ends) is thus priced, not joined
         blindly: a late join feeds the drafter a whole history. (The share alone would keep
         a lone user's rows from a drafter after a hard stretch of text: rows turned away
@@ -894,10 +900,17 @@ class BatchDraftPolicy:
         if not probe:
             return False
         self._turned_away[arm] += 1
-        if self._turned_away[arm] >= self.probe_join:
+        if self._turned_away[arm] >= self._probe_interval(ratio):
             self._turned_away[arm] = 0
             return True
         return False
+
+    def _probe_interval(self, ratio: float | None) -> int:
+        """Rows turned away from a drafter before one joins anyway (`join_pays`)."""
+        if ratio is None or ratio >= 1.0:
+            return self.probe_join
+        scale = min(float(self.probe_join), max(1.0, (1.0 - ratio) / 0.05))
+        return int(round(self.probe_join * scale))
 
     def _cheap(self, arm: int, rows: int, tokens: int, life: float) -> bool:
         """Whether taking rows of `tokens` tokens into drafter `arm` costs, for `rows` rows

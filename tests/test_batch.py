@@ -1247,6 +1247,30 @@ def test_a_guard_reading_plain_against_plain_takes_no_join():
     assert policy.join_pays(0, 8, probe=False)
 
 
+def test_rows_turned_away_from_a_losing_drafter_join_the_rarer_the_more_it_loses():
+    """Where the guard found a drafter's steps realising less, the rows that still join it
+    (to keep it measured) come the rarer the worse its verdict: every `probe_join`-th row
+    at a verdict near 1 or none, every 32nd at 0.8 (a join feeds it a whole prompt, for a
+    loss the guard already knows), never rarer than `probe_join` squared."""
+
+    def joins(ratio: float | None, rows: int = 200) -> list[int]:
+        policy = BatchDraftPolicy(["draft"], join_budget=0.0)
+        if ratio is not None:
+            policy.guard.rates[8, 0, True] = [ratio * 100.0, 1.0, 20.0]
+            policy.guard.rates[8, 0, False] = [100.0, 1.0, 20.0]
+            assert abs(policy.guard.verdict(8, 0) - ratio) < 1e-9
+        else:  # no verdict: the share of steps drafting with it decides (none: it loses)
+            for _ in range(40):
+                policy.observe([(0, 0)] * 8, [(0, 0)] * 8, 0.01)
+        return [i for i in range(rows) if policy.join_pays(0, 8)]
+
+    assert joins(None)[:3] == [7, 15, 23]
+    assert joins(0.97)[:3] == [7, 15, 23]
+    assert joins(0.8)[:3] == [31, 63, 95]
+    assert joins(0.2)[:2] == [63, 127]
+    assert joins(1.1) == list(range(200))  # it pays: every row joins
+
+
 def test_a_failed_join_fails_its_rows_and_the_engine_serves_on(loaded):
     """A drafter's join that raises (out of memory, say) ends the joining rows with the
     error, once; it is not retried every step (which held those rows, and every request
