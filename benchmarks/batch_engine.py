@@ -291,7 +291,9 @@ class EmbeddedPair:
     vocab: int
 
 
-def embedded_pair(prompt_tokens: int) -> EmbeddedPair:
+def embedded_pair(prompt_tokens: int, prompt_chars: int | None = None) -> EmbeddedPair:
+    """The embedded pair, its MTP head and the prompts: each held-out file's first
+    `prompt_tokens` tokens, or its first `prompt_chars` characters (server_load.py's)."""
     from mlx_spec.embedded import converted_pair, stdlib_files
 
     target_dir, draft_dir = converted_pair()
@@ -301,7 +303,10 @@ def embedded_pair(prompt_tokens: int) -> EmbeddedPair:
     tokenizer = copy.copy(tokenizer)
     tokenizer.eos_token_ids = set()
     texts = [f.read_text(errors="replace") for f in stdlib_files()[1]]
-    prompts = [tokenizer.encode(t)[:prompt_tokens] for t in texts]
+    if prompt_chars:
+        prompts = [tokenizer.encode(t[:prompt_chars]) for t in texts]
+    else:
+        prompts = [tokenizer.encode(t)[:prompt_tokens] for t in texts]
     vocab = scored_vocab(model, tokenizer)
     return EmbeddedPair(target_dir, model, tokenizer, draft, head, prompts, vocab)
 
@@ -330,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=96)
+    p.add_argument(
+        "--prompt-chars",
+        type=int,
+        help="prompts of each held-out file's first N characters instead (server_load.py "
+        "sends 200: text the n-gram lookup finds less in, acceptance about 0.5 against 0.7)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument(
         "--num-draft",
@@ -383,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
-    pair = embedded_pair(args.prompt_tokens)
+    pair = embedded_pair(args.prompt_tokens, args.prompt_chars)
     target_dir, model, tokenizer = pair.target_dir, pair.model, pair.tokenizer
     draft, head, prompts, vocab = pair.draft, pair.head, pair.prompts, pair.vocab
     drafters = {
@@ -439,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_record(
             args.json, argv, results, max_tokens=args.max_tokens,
-            prompt_tokens=args.prompt_tokens, requests=args.requests,
+            prompt_tokens=args.prompt_tokens, prompt_chars=args.prompt_chars,
+            requests=args.requests,
             temperature=args.temperature, repeats=args.repeats,
         )  # fmt: skip
     return 0
