@@ -13,7 +13,8 @@ the script reports:
 - throughput: completion tokens of all requests / wall time of the whole run;
 - per-request latency (request sent -> last event) p50 / p95;
 - time to first token (request sent -> first text event) p50 / p95;
-- errors (any non-200 answer or error event; there should be none);
+- errors (any non-200 answer, error event or connection the server dropped; there should be
+  none);
 - tail: the share of the run after the first client was done (fewer than N streams ran:
   clients whose requests finished sooner wait for the others);
 - steady throughput: the completion tokens streamed while all N clients ran (before the first
@@ -97,7 +98,15 @@ def build_models(root: Path) -> tuple[Path, Path]:
 
 
 async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
-    """Send one streaming completion; returns its timings, token count and error (if any)."""
+    """Send one streaming completion; returns its timings, token count and error (if any: a
+    connection the server dropped or reset counts as the request's error, not the run's)."""
+    try:
+        return await _one_request(client, body)
+    except httpx.TransportError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _one_request(client: httpx.AsyncClient, body: dict) -> dict:
     tic = time.perf_counter()
     first, tokens, error, acceptance = None, 0, None, 0.0
     pieces, prompt_tokens, cached, stamps = [], 0, 0, []

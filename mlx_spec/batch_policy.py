@@ -866,12 +866,16 @@ class BatchDraftPolicy:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt
         (`tokens` of it), to decode `life` more tokens: where the guard has measured, at that
         size, the steps with the drafter allowed against those with it barred, whether they
-        realised at least as much (their joins counted); else where the join is cheap
-        (`_cheap`), always (the policy then drafts with it or not, step by step: a lone
-        user's next request is not judged by how the last one's text suited the drafter);
-        else whether the
-        policy drafted with it in at least `min_share` of the recent steps of that many rows
-        (where it saw a few; else where `_predicts` says drafting with it pays there); or
+        realised at least as much (their joins counted); else, where the policy drafted
+        with it in under `min_share` of the recent steps of that many rows (where it saw a
+        few), not (a lone user's draft model on a fast 2-core CPU: each request fed it its
+        prompt, a join under 3% of the request's plain time, for steps the policy then
+        decoded plainly but for its probes: 0.95-0.97x of plain decoding through HTTP in
+        three runs of `server_load.py`); else where the join is cheap (`_cheap`), always
+        (the policy then drafts with it or not, step by step: a lone user's next request
+        is not judged by one hard stretch of the last one's text); else whether the policy
+        drafted with it in at least `min_share` of those steps (where it saw a few; else
+        where `_predicts` says drafting with it pays there); or
         (`probe`) every `probe_join`-th row it would turn away (where the guard's verdict is
         that the drafter loses, a join's cost and the loss it keeps measuring buy less: every
         `probe_join` times `(1 - ratio) / 0.05` rows, at most `probe_join` squared; at 16
@@ -891,6 +895,8 @@ class BatchDraftPolicy:
             # rows with a draft model on this CPU: 98% plain steps, rows joining whenever
             # the noise read >= 1, 0.94x of plain decoding).
             pays = ratio >= 1.0 and (not seen or used >= self.min_share * steps)
+        elif seen and used < self.min_share * steps:
+            pays = False  # cheap or not, a join buys steps the policy mostly decodes plainly
         elif self._cheap(arm, rows, tokens, life):
             return True
         else:

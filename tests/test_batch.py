@@ -1209,24 +1209,32 @@ def test_the_guard_charges_joins_to_their_drafter_and_stands_aside_for_a_lone_ro
     assert policy.guard.verdict(1, 1) < 1 and policy.join_pays(1, 1, probe=False)
 
 
-def test_a_cheap_join_is_taken_whatever_the_policy_did_lately():
+def test_a_cheap_join_is_taken_unless_the_policy_hardly_drafted_with_it_lately():
     """Where a drafter's measured joins cost, for as many rows as the batch holds, at most
-    `join_budget` of the plain time of a row's expected life, a row joins it even after
-    steps that never drafted with it (a lone user's last request suited it badly); where they
-    cost more, the share decides. The first join (compiling) is not timed; until one is,
-    rows join."""
+    `join_budget` of the plain time of a row's expected life, a row joins it at a size the
+    policy has few steps of; where it has steps of that size that could draft with it and
+    drafted with it in under `min_share` of them, a row joins it only as every
+    `probe_join`-th turned away, cheap or not (a lone user's draft model on a fast CPU: every
+    request fed it its prompt for steps the policy then decoded plainly); where it drafted
+    with it, rows join. The first join (compiling) is not timed; until one is, rows join."""
     policy = BatchDraftPolicy(["mtp"], join_budget=0.03)
-    for _ in range(40):
-        policy.observe([(0, 0)] * 4, [(0, 0)] * 4, 0.01)  # B = 4: never drafted
     assert policy.join_pays(0, 4, probe=False, tokens=10**4, life=1)  # to time a join
     policy.observe_join(0, 100, 5.0)  # the first: compiling
     assert 0 not in policy._join_cost
     policy.observe_join(0, 100, 0.002)  # 20 us a token
+    for _ in range(3):
+        policy.observe([(0, 0)] * 2, [(0, 0)] * 2, 0.01)  # plain steps of 2 rows: 10 ms
     # 4 rows x 200 tokens x 20 us = 16 ms against 3% of 64 steps x 10 ms = 19.2 ms
+    assert policy._cheap(0, 4, 200, 64) and not policy._cheap(0, 4, 400, 64)
     assert policy.join_pays(0, 4, probe=False, tokens=200, life=64)
-    assert not policy.join_pays(0, 4, probe=False, tokens=400, life=64)
-    assert not policy.join_pays(0, 4, probe=False, tokens=200, life=32)
-    assert not policy.join_pays(0, 4, probe=False)
+    for _ in range(40):
+        policy.observe([(0, 0)] * 4, [(0, 0)] * 4, 0.01)  # B = 4: never drafted
+    assert not policy.join_pays(0, 4, probe=False, tokens=200, life=64)
+    joined = [policy.join_pays(0, 4, tokens=200, life=64) for _ in range(2 * policy.probe_join)]
+    assert joined.count(True) == 2 and joined[policy.probe_join - 1]
+    for _ in range(40):  # now it drafts with it
+        policy.observe([(0, 2)] * 4, [(2, 1)] * 4, 0.015)
+    assert policy.join_pays(0, 4, probe=False, tokens=400, life=64)
 
 
 def test_a_guard_reading_plain_against_plain_takes_no_join():
