@@ -21,17 +21,17 @@ depends on earlier steps only, so every row's output keeps the target's distribu
 
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
 whether the policy then drafts with it or not: a row's cost, once, timed per token fed
-(`observe_join`) and kept out of the step costs. Where that cost, for every row of the batch
-once in a row's expected life, is a small share of the batch's plain time over that life,
-rows join (`join_budget`) unless the guard found, at that size, that the drafter's steps
-realise less than the steps without it; else the guard's verdict decides where it has one,
-and the policy's share of recent steps that drafted with the drafter where it has not
-(at least `min_share`; at a size it has not seen lately, where its cost model, fitted at the
-sizes it has seen, predicts that drafting with it pays there; and every `probe_join`-th row
-it turned away joins, so that the share stays measured): at a batch size where the policy
-decodes plainly, or where a group's rows draft with a cheaper drafter, rows skip the pass,
-and take the drafter in later if the batch comes to a size where it pays (fewer rows: the
-end of a busy spell).
+(`observe_join`) and kept out of the step costs. A row takes the drafter in where the guard
+found, at that size, that the drafter's steps realise at least as much as the steps without
+it; where the guard has no verdict, where the policy drafted with it in at least `min_share`
+of its recent steps of that size; at a size it has hardly run at, where that cost, for every
+row of the batch once in a row's expected life, is a small share of the batch's plain time
+over that life (`join_budget`), or where its cost model, fitted at the sizes it has seen,
+predicts that drafting with it pays there. Every `probe_join`-th row turned away joins
+anyway (rarer where the guard's verdict is a loss), so that the drafter stays measured. So
+at a batch size where the policy decodes plainly, or where a group's rows draft with a
+cheaper drafter, rows skip the pass, and take the drafter in later if the batch comes to a
+size where it pays (fewer rows: the end of a busy spell).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
 plain steps broken, rows out of step) a guard measures at 2 rows or more, per drafter: it
@@ -864,27 +864,28 @@ class BatchDraftPolicy:
         self, arm: int, rows: int, probe: bool = True, tokens: int = 0, life: float = 0.0
     ) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt
-        (`tokens` of it), to decode `life` more tokens: where the guard has measured, at that
-        size, the steps with the drafter allowed against those with it barred, whether they
-        realised at least as much (their joins counted); else, where the policy drafted
-        with it in under `min_share` of the recent steps of that many rows (where it saw a
-        few), not (a lone user's draft model on a fast 2-core CPU: each request fed it its
-        prompt, a join under 3% of the request's plain time, for steps the policy then
-        decoded plainly but for its probes: 0.95-0.97x of plain decoding through HTTP in
-        three runs of `server_load.py`); else where the join is cheap (`_cheap`), always
-        (the policy then drafts with it or not, step by step: a lone user's next request
-        is not judged by one hard stretch of the last one's text); else whether the policy
-        drafted with it in at least `min_share` of those steps (where it saw a few; else
-        where `_predicts` says drafting with it pays there); or
-        (`probe`) every `probe_join`-th row it would turn away (where the guard's verdict is
-        that the drafter loses, a join's cost and the loss it keeps measuring buy less: every
-        `probe_join` times `(1 - ratio) / 0.05` rows, at most `probe_join` squared; at 16
-        rows of the demo pair the draft model, read at 0.8, took every 8th row in, about 4%
-        of the run). A size the batch passes
-        through on its way down (8 rows, then 7 as a row ends) is thus priced, not joined
-        blindly: a late join feeds the drafter a whole history. (The share alone would keep
-        a lone user's rows from a drafter after a hard stretch of text: rows turned away
-        leave it unmeasured.)"""
+        (`tokens` of it), to decode `life` more tokens.
+
+        - Where the guard has measured, at that size, the steps with the drafter allowed
+          against those with it barred: whether they realised at least as much (their joins
+          counted) and the policy drafted with it in at least `min_share` of its recent
+          steps there (else both sides were plain steps).
+        - Else, where the policy has a few recent steps of that size that could draft with
+          it: whether it drafted with it in at least `min_share` of them. A cheap join is no
+          reason: a lone user's draft model on a fast 2-core CPU was fed every request's
+          prompt (under 3% of the request's plain time each) for steps the policy then
+          decoded plainly but for its probes, 0.95-0.97x of plain decoding through HTTP.
+        - Else (a size it has hardly run at): where the join is cheap (`_cheap`), and
+          otherwise where `_predicts` says drafting with it pays there.
+
+        With `probe`, every `probe_join`-th row it turns away joins anyway, so that the
+        drafter stays measured: a lone user's next request is not judged for good by one
+        hard stretch of text. Where the guard's verdict is that the drafter loses, a join
+        buys less (its cost, and steps that keep measuring a known loss): every
+        `probe_join * (1 - ratio) / 0.05`-th row, at most every `probe_join`-th squared (a
+        verdict of 0.8: every 32nd). A size the batch passes through on its way down (8
+        rows, then 7 as a row ends) is thus priced, not joined blindly: a late join feeds
+        the drafter a whole history."""
         guarded = self.guard is not None and rows >= self.guard_from
         ratio = self.guard.verdict(rows, arm) if guarded else None
         steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
