@@ -890,18 +890,17 @@ class BatchDraftPolicy:
         ratio = self.guard.verdict(rows, arm) if guarded else None
         steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
         seen = steps >= 4.0
+        hardly = seen and used < self.min_share * steps  # it hardly drafted with it here
         if ratio is not None:
             # Where the policy has hardly drafted with it at this size, the guard compared
             # plain steps with plain steps: its ratio is noise, and a join is a cost alone (8
             # rows with a draft model on this CPU: 98% plain steps, rows joining whenever
             # the noise read >= 1, 0.94x of plain decoding).
-            pays = ratio >= 1.0 and (not seen or used >= self.min_share * steps)
-        elif seen and used < self.min_share * steps:
-            pays = False  # cheap or not, a join buys steps the policy mostly decodes plainly
-        elif self._cheap(arm, rows, tokens, life):
-            return True
+            pays = ratio >= 1.0 and not hardly
+        elif seen:  # cheap or not, a join buys steps the policy mostly decodes plainly
+            pays = not hardly
         else:
-            pays = (used >= self.min_share * steps) if seen else self._predicts(arm, rows)
+            pays = self._cheap(arm, rows, tokens, life) or self._predicts(arm, rows)
         if pays:
             return True
         if not probe:
