@@ -310,7 +310,10 @@ def peer_server(model_dir: Path, fast_math: bool = False) -> ServerProcess:
 
 def float32_copy(source: Path, dest: Path) -> Path:
     """The model directory with float32 weights: the dtype mlx-spec computes in on CPU, so the
-    peer does the same arithmetic."""
+    peer does the same arithmetic. On a GPU mlx-spec keeps the checkpoint's dtype, and so does
+    the peer: the directory is returned as it is."""
+    if mx.default_device() != mx.cpu:
+        return source
     dest.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
         if f.suffix == ".safetensors":
@@ -349,15 +352,19 @@ async def run_conversation(url: str, body: dict, turns: list[str]) -> list[dict]
     return rows
 
 
-def warm_up(url: str, body: dict) -> None:
-    asyncio.run(run_load(url, 1, 1, {**body, "max_tokens": 8}))
+def warm_up(url: str, body: dict, concurrency: list[int]) -> None:
+    """A short request per client at every N the run measures, unmeasured: the first batch of
+    each size meets costs paid once per process (on MLX's CUDA backend, kernels built for new
+    shapes: 8-16 s on a fresh machine, falling otherwise on whichever mode ran first)."""
+    for n in concurrency:
+        asyncio.run(run_load(url, n, 1, {**body, "max_tokens": 8}))
 
 
 def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
     """The load rows of every (label, url, body) at every N: each repeat runs them all back to
     back in a rotated order; the medians over the repeats, each field on its own."""
     for _, url, body in configs:
-        warm_up(url, body)
+        warm_up(url, body, args.concurrency)
     runs: dict[tuple[str, int], list[dict]] = {}
     for repeat in range(args.repeats):
         for n in args.concurrency:
