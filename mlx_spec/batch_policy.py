@@ -34,7 +34,8 @@ cheaper drafter, rows skip the pass, and take the drafter in later if the batch 
 size where it pays (fewer rows: the end of a busy spell).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
-plain steps broken, rows out of step) a guard measures at 2 rows or more, per drafter: it
+plain steps broken, rows out of step) a guard measures per drafter at 2 rows or more, and
+for a lone row's model drafters (`alone`): it
 runs windows of steps where the drafter is allowed and windows where it is barred (the rows
 drafting with their other drafters, or decoding plainly), and where the steps with it
 realise less per second at a batch size (its joins counted), bars it there but for a window
@@ -295,8 +296,9 @@ class _Costs:
         seconds: float,
         catch_up=0,
         disturbed: bool = False,
-    ) -> None:
-        """A step ran (`disturbed`: rows joined or left just before it)."""
+    ) -> bool:
+        """A step ran (`disturbed`: rows joined or left just before it). True where it was
+        set aside as a shape's first step that built its kernels."""
         self._memo.clear()
         switch, self.switching = self.switching and big_k > 0, big_k == 0
         if big_k == 0:
@@ -308,19 +310,19 @@ class _Costs:
             else:
                 self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
             self._solved.clear()
-            return
+            return False
         if disturbed:
             seconds = max(self.plain_seconds(rows), seconds - self.turnover_seconds(rows))
         predicted = self.width_seconds(rows, big_k, arms, catch_up)
         first = (arms, rows, big_k) not in self.seen
         self.seen.add((arms, rows, big_k))
         if first and seconds > 2 * predicted + switch * self.switch.get(arms, 0.0):
-            return  # a shape's first step built its kernels: the next one prices it
+            return True  # a shape's first step built its kernels: the next one prices it
         if switch:  # what the switch cost beyond the width's price; the width learns after
             spent = max(0.0, min(seconds, 3 * predicted) - predicted)
             before = self.switch.get(arms)
             self.switch[arms] = spent if before is None else _ema(before, spent, self.alpha)
-            return
+            return False
         extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
         if not catch_up:  # a catch-up's cost is the line's to place (c3), not the cell's
             cell = self.cells.setdefault((arms, rows, big_k), [0.0, 0.0])
@@ -329,6 +331,7 @@ class _Costs:
         x = np.array([1.0, big_k, big_k * rows, catch_up])
         xtx, xty = self.fits.get(arms, (np.zeros((4, 4)), np.zeros(4)))
         self.fits[arms] = (self.decay * xtx + np.outer(x, x), self.decay * xty + x * extra)
+        return False
 
 
 class _Guard:
@@ -451,7 +454,8 @@ class BatchChoice:
     only: int | None = None  # the one drafter a group's rows draft with (None: each its best)
     # The guard's window the step runs in (`_Guard`): a bitmask of the drafters barred from
     # it (0: none; every drafter the rows have: plain decoding, the policy unasked), or None
-    # (the guard stood aside: no row can draft, one drafts a fixed k, or a lone row).
+    # (the guard stood aside: no row can draft, one drafts a fixed k, or a lone row whose
+    # drafters are not watched alone).
     window: int | None = None
 
 
@@ -479,9 +483,16 @@ class BatchDraftPolicy:
             `join_pays`).
         guard: check each drafter's steps against steps without it over windows of steps
             (`_Guard`), and bar it where they realise less, at `guard_from` rows or
-            more (a lone row has no rows out of step, and the pipeline's restart and the
-            catch-ups are in its step costs; what the guard would measure there is how the
-            last request's text suited the drafter, not the next one's).
+            more (a lone row has no rows out of step; what the guard would measure there
+            of a drafter whose whole cost is in its steps, the n-gram lookup, is how the
+            last request's text suited it, not the next one's), and at fewer rows for the
+            drafters in `alone`.
+        alone: the drafters the guard watches for a lone row too: model drafters, whose
+            joins, catch-ups and pipeline restarts fall outside the step costs the policy
+            weighs (on an H100 a lone row's draft model and MTP head, each drafting on
+            steps the step costs priced as gains, ran at 0.74x and 0.80x of plain decoding
+            through the server, where a lone row's speculative step costs about two plain
+            ones whatever it drafts).
         join_budget: a row joins a model drafter whenever the drafter's measured cost of
             taking rows in, for as many rows as the batch has, stays within this share of
             the plain time of the row's expected life (`join_pays`); 0: never.
@@ -516,6 +527,7 @@ class BatchDraftPolicy:
         guard: bool = True,
         guard_from: int = 2,
         join_budget: float = 0.03,
+        alone=(),
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -543,6 +555,8 @@ class BatchDraftPolicy:
         self._turned_away = [0] * len(self.arms)  # rows that skipped each arm since one joined
         self.guard = _Guard() if guard else None
         self.guard_from, self.join_budget = guard_from, join_budget
+        self.alone = frozenset(alone)
+        self._built: set[int] = set()  # drafters whose first join (compiling) went uncharged
         self._join_cost: dict[int, float] = {}  # arm -> seconds per token fed at joining
         self._joins: dict[int, int] = {}  # arm -> joins timed
         self._joined: dict[int, float] = {}  # arm -> join seconds not yet charged to the guard
@@ -654,9 +668,11 @@ class BatchDraftPolicy:
         GPU a small model's plain step is about as short, and the guard's plain windows are
         most of the steps where speculation does not pay."""
         guard = self.guard
-        if not (free and offered and guard is not None and size >= self.guard_from):
+        if not (free and offered and guard is not None):
             return None
-        arms = tuple(sorted(offered))
+        arms = self._watched(size, offered)
+        if len(arms) < len(offered):  # a drafter the guard does not judge here may draft
+            return None
         if self._plain_seen < 2 or not guard.holds(arms):
             return None
         if any(not guard.barred >> arm & 1 for arm in arms):
@@ -664,13 +680,21 @@ class BatchDraftPolicy:
         self._offered = set(offered)
         return BatchChoice(0, [(None, 0)] * size, window=guard.window_for(size, arms))
 
+    def _watched(self, size: int, offered: set[int]) -> tuple:
+        """The drafters of `offered` the guard judges at batches of `size` rows."""
+        if self.guard is None:
+            return ()
+        if size < self.guard_from:
+            offered = offered & self.alone
+        return tuple(sorted(offered))
+
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
         self._offered = {arm for ask in asks for arm in ask.arms}
         free = all(ask.fixed is None for ask in asks) and any(ask.arms for ask in asks)
         window = None
-        guarded = self.guard is not None and len(asks) >= self.guard_from
-        if guarded and free and self._plain_seen >= 2:
-            window = self.guard.window_for(len(asks), tuple(sorted(self._offered)))
+        watched = self._watched(len(asks), self._offered)
+        if watched and free and self._plain_seen >= 2:
+            window = self.guard.window_for(len(asks), watched)
             asks = [_without(ask, window) for ask in asks]
             if not any(ask.arms for ask in asks):  # every drafter barred: the policy unasked
                 return BatchChoice(0, [(None, 0)] * len(asks), window=window)
@@ -886,7 +910,7 @@ class BatchDraftPolicy:
         verdict of 0.8: every 32nd). A size the batch passes through on its way down (8
         rows, then 7 as a row ends) is thus priced, not joined blindly: a late join feeds
         the drafter a whole history."""
-        guarded = self.guard is not None and rows >= self.guard_from
+        guarded = self.guard is not None and (rows >= self.guard_from or arm in self.alone)
         ratio = self.guard.verdict(rows, arm) if guarded else None
         steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
         seen = steps >= 4.0
@@ -998,13 +1022,25 @@ class BatchDraftPolicy:
         `disturbed`: rows joined or left the batch since the last step, and the step also
         ran what that left queued (the batch's cache re-formed: rows written in, dropped,
         columns squeezed), whatever K it had: the guard counts it as it came, the step costs
-        take that cost apart (`_Costs`)."""
+        take that cost apart (`_Costs`).
+
+        What is paid once per process is no drafter's verdict: a drafter's first join
+        (compiling its kernels) is not charged, and a shape's first step that built its
+        kernels (`_Costs.observe`) is not counted by the guard either (on a fresh GPU
+        machine, seconds: a verdict on them would turn rows away from the drafter, unmeasured
+        again, for a long time)."""
         drafted = [(a, d) for (a, _), (d, _) in zip(rows, outcomes, strict=True)]
         for arm, spent in (joined or {}).items():
+            if arm not in self._built:
+                self._built.add(arm)
+                continue
             self._joined[arm] = self._joined.get(arm, 0.0) + spent
-        if window is None and len(rows) < self.guard_from:
-            self._joined = {}  # a lone row's joins: no guard to charge
-        if self.guard is not None and window is not None:
+        if window is None and not self._watched(len(rows), set(self._joined)):
+            self._joined = {}  # joins before steps the guard does not judge: none to charge
+        shape = self.shape(drafted)
+        self._follow = list(rows) if shape[1] and self.costs.switching else None
+        built = self.costs.observe(*shape, seconds, catch_up, disturbed)
+        if self.guard is not None and window is not None and not built:
             tokens = len(rows) + sum(n for _, n in outcomes)
             self.guard.observe(len(rows), window, tokens, seconds)
             for arm, spent in self._joined.items():  # joins before steps it stood aside from too
@@ -1021,9 +1057,6 @@ class BatchDraftPolicy:
         else:
             self._since_spec += 1
             self._plain_seen += 1
-        shape = self.shape(drafted)
-        self._follow = list(rows) if shape[1] and self.costs.switching else None
-        self.costs.observe(*shape, seconds, catch_up, disturbed)
         for (arm, asked), (_, accepted) in zip(rows, outcomes, strict=True):
             if arm is None or asked <= 0:
                 continue

@@ -283,7 +283,10 @@ class BatchEngine:
         self.context = context_limit(model)
         self.threads = BlasThreads.calibrate(model)  # per pass width (CPU, OpenBLAS), or None
         self.row_cache = row_cache
-        self.policy = BatchDraftPolicy(self.names, max_draft)
+        # The guard watches a lone row's model drafters too (joins and catch-ups: costs its
+        # steps do not show), not its n-gram lookup (`BatchDraftPolicy`, `alone`).
+        model_drafters = [i for i, n in enumerate(self.names) if drafters[n].feeds_prompt]
+        self.policy = BatchDraftPolicy(self.names, max_draft, alone=model_drafters)
         self.cache: BatchCache | None = None  # the target's, over `active`
         self.active: list[_Row] = []
         # Rows of `cache` whose rows left since the last decoding step (`_remove`), in order:

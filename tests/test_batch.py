@@ -1189,11 +1189,15 @@ def test_a_drafters_join_is_reported_apart_from_the_steps_time(loaded):
 
 def test_the_guard_charges_joins_to_their_drafter_and_stands_aside_for_a_lone_row():
     """Join time reported with a step goes to its drafter's allowed side of the guard (no
-    tokens), also when it came before steps the guard stood aside from; a batch of one row
-    is never barred from drafting, and its joins are judged without the guard."""
+    tokens), also when it came before steps the guard stood aside from; a drafter's first
+    join (compiling its kernels) is not charged. A batch of one row is judged only for the
+    drafters in `alone` (the engine's model drafters): without it a lone row is never
+    barred and its joins are taken without the guard's verdict; with it, the model drafter
+    is judged, the lone row's n-gram lookup still not."""
     policy = BatchDraftPolicy(["ngram", "draft"])
     for _ in range(3):
         policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01)
+    policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01, joined={1: 5.0})  # compiling
     asks = [RowAsk([0, 1], None, 4, [4, None], [0, 0])] * 2
     choice = policy.choose(asks)
     assert choice.window == 0  # nothing barred: no size has measured either side yet
@@ -1207,6 +1211,76 @@ def test_the_guard_charges_joins_to_their_drafter_and_stands_aside_for_a_lone_ro
     policy.guard.rates[1, 1, True] = [1.0, 10.0, 20.0]  # its steps realised far less
     policy.guard.rates[1, 1, False] = [10.0, 1.0, 20.0]
     assert policy.guard.verdict(1, 1) < 1 and policy.join_pays(1, 1, probe=False)
+
+    watched = BatchDraftPolicy(["ngram", "draft"], alone={1})
+    for _ in range(3):
+        watched.observe([(None, 0)], [(0, 0)], 0.01)
+    lookup = [RowAsk([0], None, 4, [4], [0])]
+    assert all(watched.choose(lookup).window is None for _ in range(20))
+    assert watched.barred(1, {0}, True) is None  # the lookup may draft: the rows ask
+    assert watched.choose(lone).window == 0  # judged (allowed: nothing measured yet)
+    watched.guard.rates[1, 1, True] = [1.0, 10.0, 20.0]
+    watched.guard.rates[1, 1, False] = [10.0, 1.0, 20.0]
+    assert not watched.join_pays(1, 1, probe=False)
+
+
+def _lone_user(policy: BatchDraftPolicy, join_ms: float, requests: int = 60) -> tuple:
+    """A lone user's `requests` of 64 tokens each: a plain step 10 ms (0.1 tokens/ms); a
+    speculative one 11 ms + 2 ms a draft, each draft kept with probability 0.8 (K = 2:
+    about 2.4 tokens in 15 ms, 0.16 tokens/ms); a request whose row joins the model drafter
+    (where `join_pays`) pays `join_ms` to feed it the prompt, a cost no step shows. Returns
+    the tokens per ms and the requests that joined."""
+    rng, tokens, ms, joins = random.Random(4), 0, 0.0, 0
+    for _ in range(requests):
+        has = policy.join_pays(0, 1, True, 80, 64.0)
+        joined = None
+        if has:
+            joins, ms, joined = joins + 1, ms + join_ms, {0: join_ms / 1e3}
+            policy.observe_join(0, 80, join_ms / 1e3)
+        left = 64
+        while left > 0:
+            ask = RowAsk([0], None, min(8, left - 1), [None]) if has else RowAsk([], None, 0, [])
+            choice = policy.choose([ask])
+            outcomes = outcomes_of(choice.rows, rng, 0.8)
+            cost = 10 + (1 + 2 * choice.num_draft if choice.num_draft else 0)
+            tokens += 1 + outcomes[0][1]
+            left, ms = left - 1 - outcomes[0][1], ms + cost
+            policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window, joined=joined)
+            joined = None
+    return tokens / ms, joins
+
+
+def test_the_guard_watches_a_lone_rows_model_drafter_whose_joins_cost_more_than_it_adds():
+    """A lone user whose model drafter's steps pay (0.16 tokens/ms against plain decoding's
+    0.1) but whose joins cost about half a request's plain time: unguarded at one row, every
+    request joins it and the user is slower than plain decoding; with the drafter in
+    `alone`, the guard counts the joins against its steps, turns rows away from it (a few
+    still join, to keep it measured) and the user gets about plain decoding's rate. Where
+    the joins are cheap, watching the lone row costs nothing."""
+    unguarded, joins = _lone_user(BatchDraftPolicy(["draft"]), join_ms=300)
+    assert unguarded < 0.096 and joins == 60
+    watched, joins = _lone_user(BatchDraftPolicy(["draft"], alone={0}), join_ms=300)
+    assert watched > 0.098 and joins < 10, (watched, joins)
+    unguarded, _ = _lone_user(BatchDraftPolicy(["draft"]), join_ms=20)
+    watched, joins = _lone_user(BatchDraftPolicy(["draft"], alone={0}), join_ms=20)
+    assert unguarded > 0.15 and watched > 0.99 * unguarded and joins == 60
+
+
+def test_the_guard_leaves_out_a_shapes_first_step_that_built_its_kernels():
+    """A speculative shape's first step costing far over its price (MLX building kernels on
+    a GPU) counts for neither the step costs nor the guard: the next step of the shape
+    does."""
+    policy = BatchDraftPolicy(["draft"])
+    for _ in range(3):
+        policy.observe([(None, 0)] * 2, [(0, 0)] * 2, 0.01)
+    asks = [RowAsk([0], None, 4, [None])] * 2
+    choice = policy.choose(asks)
+    assert choice.window == 0
+    rows = [(0, 1)] * 2
+    policy.observe(rows, [(1, 1)] * 2, 2.0, window=choice.window)  # built its kernels
+    assert (2, 0, True) not in policy.guard.rates
+    policy.observe(rows, [(1, 1)] * 2, 0.012, window=choice.window)
+    assert policy.guard.rates[2, 0, True] == [4.0, 0.012, 1.0]
 
 
 def test_a_cheap_join_is_taken_unless_the_policy_hardly_drafted_with_it_lately():
