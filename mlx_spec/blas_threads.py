@@ -3,18 +3,23 @@
 On a CPU, MLX's float32 matmuls run in the BLAS (OpenBLAS on Linux, see `_blas`), and OpenBLAS
 splits every product over all its threads. For the skinny products of decoding (a few tokens
 times a weight matrix) that split can cost more than it saves, and how much depends on the
-width in a way no rule of thumb predicts: on a 2-core x86 machine, a pass over 4, 8, 12 or 24
-tokens ran 0.59-0.93x as long on one thread as on two, one over 16 or 32 tokens about 1.5x
-longer (the split only pays when it falls on the kernel's own blocks), and a long prompt chunk
-wants every thread. A batch of 8 rows decoding plainly is a pass over 8 tokens; verifying one draft
-each makes it 16.
+width and the machine in a way no rule of thumb predicts: on one 2-core x86 machine, a pass
+over 4, 8, 12 or 24 tokens ran 0.59-0.93x as long on one thread as on two, one over 16 or 32
+tokens about 1.5x longer (the split only pays when it falls on the kernel's own blocks); on
+another, two threads ran every width 1.2-1.6x faster. A long prompt chunk wants every
+thread. A batch of 8 rows decoding plainly is a pass over 8 tokens; verifying one draft each
+makes it 16.
 
 `BlasThreads.calibrate(model)` times the model's largest matmul pair (its MLP, by weight mass)
 at every width from 1 to `MAX_WIDTH` tokens with one thread and with all of them, interleaved,
 once per process and shape; `use(tokens)` then sets the count before a pass. Wider passes use
-every thread. Nothing is tuned (calibrate returns None) on a GPU, without OpenBLAS, on one core,
-or for quantized weights (their matmuls are MLX's own kernels). `MLX_SPEC_BLAS_THREADS=all`
-turns it off; `=1` (or any count) pins one count.
+every thread. A width gets one thread only on strong evidence (`_measure`): a wrong one costs
+far more than it can gain (a pass on one thread where two ran it 1.2-1.4x faster), and a
+single round of timings at start-up, with the machine still busy loading, picked one thread
+for widths where two were faster in half the processes. Nothing is tuned (calibrate returns
+None) on a GPU, without OpenBLAS, on one core, or for quantized weights (their matmuls are
+MLX's own kernels). `MLX_SPEC_BLAS_THREADS=all` turns it off; `=1` (or any count) pins one
+count.
 """
 
 from __future__ import annotations
@@ -33,11 +38,15 @@ from . import _blas
 
 ENV = "MLX_SPEC_BLAS_THREADS"
 MAX_WIDTH = 80  # widths above this are prefill chunks: every thread
-REPEATS = 5
-# One thread is chosen where it runs the matmuls at least as fast as all of them (it also
-# leaves the other cores to the host, which builds the next pass while this one runs); with a
-# 10% margin, 8 rows (a time ratio of 0.82-0.89) flipped between runs of the calibration.
-MARGIN = 1.0
+REPEATS = 5  # interleaved pairs of runs per width in the first round
+# One thread is kept for a width where, in the first round, its median time was under MARGIN
+# of all threads' and, in a second round of CONFIRM more interleaved pairs, it again was and it
+# won at least AGREE of the pairs (it also leaves the other cores to the host, which builds the
+# next pass while this one runs). On a machine where one thread gained, it did so at time
+# ratios of 0.59-0.93; a single round at ratios near 1 flipped from run to run.
+MARGIN = 0.95
+CONFIRM = 9
+AGREE = 7
 
 _calibrated: dict[tuple, dict[int, int]] = {}  # (shapes, threads) -> {width: threads}
 # The count last set through each setter: the library's setting is one for the process, however
@@ -116,18 +125,27 @@ class BlasThreads:
 
 
 def _measure(shapes, most: int, setter) -> dict[int, int]:
-    """{width: 1} for the widths that ran at least as fast on one thread as on `most`."""
-    timings = _timings(shapes, most, setter)
-    return {width: 1 for width, times in timings.items() if _pick(*times, most) == 1}
+    """{width: 1} for the widths where one thread ran clearly faster than `most`, in a first
+    round over every width and again in a second, longer one over those it picked."""
+    first = _timings(shapes, most, setter, range(1, MAX_WIDTH + 1), REPEATS)
+    picked = [width for width, pairs in first.items() if _pick(pairs, most) == 1]
+    second = _timings(shapes, most, setter, picked, CONFIRM)
+    return {width: 1 for width, pairs in second.items() if _pick(pairs, most, AGREE) == 1}
 
 
-def _pick(one: float, every: float, most: int) -> int:
-    """The thread count for a width that took `one` seconds on one thread, `every` on `most`."""
-    return 1 if one < MARGIN * every else most
+def _pick(pairs: list[tuple[float, float]], most: int, agree: int = 0) -> int:
+    """The thread count for a width whose interleaved runs took `pairs` (seconds on one
+    thread, on `most`): one where its median is under MARGIN of the other's and it won at
+    least `agree` of the pairs."""
+    one = statistics.median(a for a, _ in pairs)
+    every = statistics.median(b for _, b in pairs)
+    wins = sum(a < b for a, b in pairs)
+    return 1 if one < MARGIN * every and wins >= agree else most
 
 
-def _timings(shapes, most: int, setter) -> dict[int, tuple[float, float]]:
-    """{width: (median seconds on one thread, on `most`)} of the matmul pair, 1..MAX_WIDTH."""
+def _timings(shapes, most: int, setter, widths, repeats: int) -> dict[int, list]:
+    """{width: [(seconds on one thread, on `most`), ...]}: `repeats` interleaved runs of the
+    matmul pair over each of `widths` tokens."""
     weights = [mx.random.normal(shape) * 0.02 for shape in shapes]
     if len(weights) == 2 and weights[0].shape[0] != weights[1].shape[1]:
         weights = weights[:1]
@@ -139,17 +157,19 @@ def _timings(shapes, most: int, setter) -> dict[int, tuple[float, float]]:
         return x
 
     out = {}
-    for width in range(1, MAX_WIDTH + 1):
+    for width in widths:
         x = mx.random.normal((width, weights[0].shape[1]))
         mx.eval(x)
-        times: dict[int, list[float]] = {1: [], most: []}
-        for _ in range(REPEATS):
+        pairs = []
+        for _ in range(repeats):
+            pair = {}
             for threads in (1, most):
                 setter(threads)
                 tic = time.perf_counter()
                 mx.eval(run(x))
-                times[threads].append(time.perf_counter() - tic)
-        out[width] = (statistics.median(times[1]), statistics.median(times[most]))
+                pair[threads] = time.perf_counter() - tic
+            pairs.append((pair[1], pair[most]))
+        out[width] = pairs
     setter(most)
     return out
 
@@ -176,10 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     most, setter = functions
     shapes = _shapes(model)
     print(f"{_blas.describe()}; {most} threads; matmul pair {shapes}")
-    for width, (one, every) in _timings(shapes, most, setter).items():
-        pick = _pick(one, every, most)
-        print(f"{width:3d} tokens: 1 thread {one * 1e6:7.0f} us, {most} threads "
-              f"{every * 1e6:7.0f} us, ratio {one / every:4.2f} -> {pick}")  # fmt: skip
+    first = _timings(shapes, most, setter, range(1, MAX_WIDTH + 1), REPEATS)
+    picked = [width for width, pairs in first.items() if _pick(pairs, most) == 1]
+    second = _timings(shapes, most, setter, picked, CONFIRM)
+    for width, pairs in first.items():
+        one = statistics.median(a for a, _ in pairs)
+        every = statistics.median(b for _, b in pairs)
+        line = (
+            f"{width:3d} tokens: 1 thread {one * 1e6:7.0f} us, {most} threads "
+            f"{every * 1e6:7.0f} us, ratio {one / every:4.2f}"
+        )
+        if width in second:
+            again = second[width]
+            wins = sum(a < b for a, b in again)
+            ratio = statistics.median(a for a, _ in again) / statistics.median(b for _, b in again)
+            line += f"; again: ratio {ratio:4.2f}, one thread won {wins} of {len(again)}"
+        print(f"{line} -> {_pick(second[width], most, AGREE) if width in second else most}")
     return 0
 
 

@@ -75,6 +75,44 @@ def test_measure_keeps_one_thread_only_where_it_ran_faster(monkeypatch):
     assert setter.calls[-1] == 2
 
 
+def test_measure_wants_one_thread_to_win_again_and_most_pairs(monkeypatch):
+    """A width that one thread ran faster in the first round only (a noisy start), or by its
+    median but not in most of the confirming pairs, keeps every thread; one that won both
+    rounds and most pairs gets one."""
+    now = [0.0]
+    state = {"threads": 2}
+    runs: dict[tuple[int, int], int] = {}  # (width, threads) -> runs so far
+
+    def set_threads(n):
+        state["threads"] = n
+
+    def seconds(width: int, threads: int, run: int) -> float:
+        first = run < bt.REPEATS
+        if width == 2:  # one thread faster in the first round only
+            return (0.5 if first else 1.5) if threads == 1 else 1.0
+        if width == 3:  # faster by the median, but in 5 of the 9 confirming pairs only
+            if threads == 1:
+                return 0.5 if first or (run - bt.REPEATS) % 2 == 0 else 1.2
+            return 1.0
+        if width == 5:  # faster in both rounds, every pair
+            return 0.6 if threads == 1 else 1.0
+        return 1.0 if threads == 1 else 0.9
+
+    def fake_eval(*arrays):
+        if not arrays or not hasattr(arrays[0], "shape") or arrays[0].ndim != 2:
+            return
+        width, threads = arrays[0].shape[0], state["threads"]
+        run = runs.get((width, threads), 0)
+        runs[width, threads] = run + 1
+        now[0] += seconds(width, threads, run)
+
+    monkeypatch.setattr(bt.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bt.mx, "eval", fake_eval)
+    assert bt._measure([(16, 8), (8, 16)], 2, set_threads) == {5: 1}
+    assert state["threads"] == 2
+    assert runs[2, 1] == bt.REPEATS + bt.CONFIRM and runs[7, 1] == bt.REPEATS  # confirmed: picked
+
+
 def test_calibrate_is_off_on_request_and_pins_a_count(monkeypatch):
     model = nn.Sequential(nn.Linear(16, 48, bias=False), nn.Linear(48, 16, bias=False))
     monkeypatch.setattr(bt, "_openblas", lambda: (2, Recorder()))

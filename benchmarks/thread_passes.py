@@ -1,0 +1,133 @@
+"""Whole target passes on one BLAS thread and on all of them, and what the calibration picks.
+
+`mlx_spec.blas_threads` picks a thread count per pass width from timings of the target's MLP
+matmul pair, once per process. This checks the pick against what it stands for: a pass of the
+target over B rows x n tokens (rows holding `--context` tokens), timed with one thread and
+with every thread, interleaved in rounds (medians, ms); then `--processes` fresh processes each
+load the target and calibrate, as the engine does when it starts, and the widths each gave one
+thread are printed. A width given one thread where two run its passes faster costs that pass
+the difference for the whole life of the process.
+
+Examples:
+    python benchmarks/thread_passes.py
+    python benchmarks/thread_passes.py --shapes 1x1 1x2 8x1 8x2 --processes 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
+from mlx_spec import blas_threads
+from mlx_spec.batch_cache import BatchCache
+
+import mlx.core as mx
+
+SHAPES = ["1x1", "1x2", "1x3", "1x4", "2x1", "4x1", "8x1", "8x2", "8x3"]
+
+# Run in each fresh process: load the target, calibrate, print the widths given one thread.
+CALIBRATE = """
+import json, sys
+import mlx_spec
+from mlx_spec import blas_threads
+model, _ = mlx_spec.load(sys.argv[1])
+plan = blas_threads.BlasThreads.calibrate(model)
+print(json.dumps(None if plan is None else sorted(plan.best)))
+"""
+
+
+def passes(model, rows: int, width: int, context: int):
+    """A timer of passes over `width` tokens per row of `rows` rows through a `BatchCache`:
+    `run(reps)` -> seconds of each pass (rolled back in place after each)."""
+    prefix = mx.random.randint(0, 1000, (rows, context)).astype(mx.uint32)
+    cache = BatchCache(model, rows)
+    cache.begin([context] * rows)
+    model(prefix, cache=cache.layers)
+    cache.end([context] * rows)
+    mx.eval(cache.state)
+    tokens = mx.zeros((rows, width), mx.uint32)
+
+    def run(reps: int) -> list[float]:
+        times = []
+        for _ in range(reps):
+            tic = time.perf_counter()
+            cache.begin([width] * rows)
+            logits = model(tokens, cache=cache.layers)
+            cache.end([width] * rows)
+            mx.eval(logits)
+            times.append(time.perf_counter() - tic)
+            cache.truncate([n - width for n in cache.lengths])
+            mx.eval(cache.state)
+        return times
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="target MLX directory (default: the embedded pair's target)")
+    p.add_argument("--shapes", nargs="+", default=SHAPES, help="BxN: rows x tokens per row")
+    p.add_argument("--context", type=int, default=100, help="tokens each row holds")
+    p.add_argument("--rounds", type=int, default=6, help="rounds over every shape and count")
+    p.add_argument("--reps", type=int, default=5, help="passes per shape and count per round")
+    p.add_argument("--processes", type=int, default=10, help="fresh processes that calibrate")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.model is None:
+        from mlx_spec.embedded import converted_pair
+
+        args.model = str(converted_pair()[0])
+    functions = blas_threads._openblas()
+    if functions is None or mx.default_device() != mx.cpu:
+        print("nothing to compare: no OpenBLAS behind MLX's CPU matmuls, or not on the CPU")
+        return 1
+    most, setter = functions
+    model, _ = mlx_spec.load(args.model)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    timers = {shape: passes(model, *shape, args.context) for shape in shapes}
+    times: dict[tuple, list[float]] = {(s, t): [] for s in shapes for t in (1, most)}
+    for _ in range(args.rounds):
+        for shape, run in timers.items():
+            for threads in (1, most):
+                setter(threads)
+                times[shape, threads] += run(args.reps)
+    setter(most)
+    print(f"{blas_threads._blas.describe()}; {mx.default_device()}; context {args.context}")
+    rows = []
+    for shape in shapes:
+        one = statistics.median(times[shape, 1]) * 1e3
+        every = statistics.median(times[shape, most]) * 1e3
+        rows.append({"rows": shape[0], "tokens": shape[1], "one_thread_ms": one,
+                     "all_threads_ms": every, "ratio": one / every})  # fmt: skip
+        print(
+            f"B={shape[0]} n={shape[1]} (width {shape[0] * shape[1]:2d}): 1 thread {one:6.2f} ms,"
+            f" {most} threads {every:6.2f} ms, ratio {one / every:4.2f}"
+        )
+    picks = []
+    for _ in range(args.processes):
+        out = subprocess.run(
+            [sys.executable, "-c", CALIBRATE, args.model],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        picks.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    given = sum(1 for pick in picks if pick)
+    print(f"calibration in {args.processes} fresh processes, widths given one thread: {picks}")
+    print(f"processes that gave any width one thread: {given} of {args.processes}")
+    if args.json:
+        record = {
+            "command": "thread_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "blas": blas_threads._blas.describe(), "mlx": mx.__version__,
+            "context": args.context, "passes": rows, "calibrations": picks,
+        }  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
