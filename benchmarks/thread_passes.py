@@ -1,12 +1,13 @@
-"""Whole target passes on one BLAS thread and on all of them, and what the calibration picks.
+"""Whole target passes on one BLAS thread and on all of them, and what start-up timings pick.
 
 `mlx_spec.blas_threads` picks a thread count per pass width from timings of the target's MLP
 matmul pair, once per process. This checks the pick against what it stands for: a pass of the
 target over B rows x n tokens (rows holding `--context` tokens), timed with one thread and
 with every thread, interleaved in rounds (medians, ms); then `--processes` fresh processes each
-load the target and calibrate, as the engine does when it starts, and the widths each gave one
-thread are printed. A width given one thread where two run its passes faster costs that pass
-the difference for the whole life of the process.
+load the target (which times the weights' layout, `mlx_spec.weight_layout`) and calibrate, as
+the engine does when it starts, and the layout each kept and the widths each gave one thread
+are printed. A width given one thread where two run its passes faster, or the slower layout,
+costs every pass the difference for the whole life of the process.
 
 Examples:
     python benchmarks/thread_passes.py
@@ -30,14 +31,16 @@ import mlx.core as mx
 
 SHAPES = ["1x1", "1x2", "1x3", "1x4", "2x1", "4x1", "8x1", "8x2", "8x3"]
 
-# Run in each fresh process: load the target, calibrate, print the widths given one thread.
+# Run in each fresh process: load the target (the layout is timed), calibrate, print the layout
+# kept and the widths given one thread.
 CALIBRATE = """
 import json, sys
 import mlx_spec
-from mlx_spec import blas_threads
+from mlx_spec import blas_threads, weight_layout
 model, _ = mlx_spec.load(sys.argv[1])
 plan = blas_threads.BlasThreads.calibrate(model)
-print(json.dumps(None if plan is None else sorted(plan.best)))
+widths = None if plan is None else sorted(plan.best)
+print(json.dumps({"layout": weight_layout._decision["layout"], "one_thread": widths}))
 """
 
 
@@ -115,9 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         picks.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    given = sum(1 for pick in picks if pick)
-    print(f"calibration in {args.processes} fresh processes, widths given one thread: {picks}")
+    widths = [pick["one_thread"] for pick in picks]
+    layouts = [pick["layout"] for pick in picks]
+    given = sum(1 for w in widths if w)
+    print(f"{args.processes} fresh processes: widths given one thread {widths}; layouts {layouts}")
     print(f"processes that gave any width one thread: {given} of {args.processes}")
+    for layout in sorted(set(layouts), key=str):
+        print(f"processes that kept the layout {layout}: {layouts.count(layout)}")
     if args.json:
         record = {
             "command": "thread_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -20,7 +20,9 @@ shared L3, the same OpenBLAS) whole passes of the demo target ran 1-6% faster wi
 as loaded, at every width measured (`benchmarks/fast_math.py --part layout`). So the first
 model `mlx_spec.load` loads in a process is timed both ways (`decide`: passes of 8 rows x 4
 tokens, interleaved, each layout's median) and the faster layout is kept for every model and
-drafter loaded after it (a tie within 1%: column-major). Models too small for the
+drafter loaded after it (a tie within 1%: column-major). Rewriting the weights wants a second
+round to agree: a single round at start-up picked column-major in 1 of 8 processes on the
+second machine, where it was 4-7% slower at 8 rows. Models too small for the
 timing to mean anything (under 4 MiB of linear weights, such as the tests') and too large to
 hold twice for it (over 2 GiB) are not timed: column-major. `MLX_SPEC_WEIGHT_LAYOUT=0` keeps
 the weights as loaded, `=column` rewrites them without timing.
@@ -79,12 +81,22 @@ def decide(model: nn.Module) -> str | None:
         return None
     try:
         row, column = _measure(model, layers)
+        if row is not None and not _row_faster(row, column):
+            # A change of layout wants a second round to agree (one round of a process's
+            # first seconds, the machine still busy loading, can read either way).
+            row, column = _measure(model, layers)
     except Exception:  # a model that cannot run without its cache: not timed
         return None
     if row is None:
         return None
-    _decision["layout"] = "row" if row < 0.99 * column else "column"
+    _decision["layout"] = "row" if _row_faster(row, column) else "column"
     return _decision["layout"]
+
+
+def _row_faster(row: float, column: float) -> bool:
+    """Whether passes with the weights as loaded took `row` seconds, clearly under the
+    column-major `column` (a tie within 1% goes to column-major)."""
+    return row < 0.99 * column
 
 
 def _measure(model: nn.Module, layers: list[nn.Linear]) -> tuple[float | None, float]:
