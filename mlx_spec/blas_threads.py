@@ -16,10 +16,10 @@ once per process and shape; `use(tokens)` then sets the count before a pass. Wid
 every thread. A width gets one thread only on strong evidence (`_measure`): a wrong one costs
 far more than it can gain (a pass on one thread where two ran it 1.2-1.4x faster), and a
 single round of timings at start-up, with the machine still busy loading, picked one thread
-for widths where two were faster in most processes (12 of 16 on one machine). Nothing is tuned (calibrate returns
-None) on a GPU, without OpenBLAS, on one core, or for quantized weights (their matmuls are
-MLX's own kernels). `MLX_SPEC_BLAS_THREADS=all` turns it off; `=1` (or any count) pins one
-count.
+for widths where two were faster in most processes (12 of 16 on one machine). Nothing is
+tuned (calibrate returns None) on a GPU, without OpenBLAS, on one core, or for quantized
+weights (their matmuls are MLX's own kernels). `MLX_SPEC_BLAS_THREADS=all` turns it off;
+`=1` (or any count) pins one count.
 """
 
 from __future__ import annotations
