@@ -21,13 +21,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
 from mlx_spec import blas_threads
-from mlx_spec.batch_cache import BatchCache
 
 import mlx.core as mx
+from pass_width import ours  # a timer of BatchCache passes, rolled back in place
 
 SHAPES = ["1x1", "1x2", "1x3", "1x4", "2x1", "4x1", "8x1", "8x2", "8x3"]
 
@@ -42,33 +41,6 @@ plan = blas_threads.BlasThreads.calibrate(model)
 widths = None if plan is None else sorted(plan.best)
 print(json.dumps({"layout": weight_layout._decision["layout"], "one_thread": widths}))
 """
-
-
-def passes(model, rows: int, width: int, context: int):
-    """A timer of passes over `width` tokens per row of `rows` rows through a `BatchCache`:
-    `run(reps)` -> seconds of each pass (rolled back in place after each)."""
-    prefix = mx.random.randint(0, 1000, (rows, context)).astype(mx.uint32)
-    cache = BatchCache(model, rows)
-    cache.begin([context] * rows)
-    model(prefix, cache=cache.layers)
-    cache.end([context] * rows)
-    mx.eval(cache.state)
-    tokens = mx.zeros((rows, width), mx.uint32)
-
-    def run(reps: int) -> list[float]:
-        times = []
-        for _ in range(reps):
-            tic = time.perf_counter()
-            cache.begin([width] * rows)
-            logits = model(tokens, cache=cache.layers)
-            cache.end([width] * rows)
-            mx.eval(logits)
-            times.append(time.perf_counter() - tic)
-            cache.truncate([n - width for n in cache.lengths])
-            mx.eval(cache.state)
-        return times
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     most, setter = functions
     model, _ = mlx_spec.load(args.model)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
-    timers = {shape: passes(model, *shape, args.context) for shape in shapes}
+    timers = {}
+    for rows, width in shapes:
+        prefix = mx.random.randint(0, 1000, (rows, args.context)).astype(mx.uint32)
+        timers[rows, width] = ours(model, prefix, width)
     times: dict[tuple, list[float]] = {(s, t): [] for s in shapes for t in (1, most)}
     for _ in range(args.rounds):
         for shape, run in timers.items():
