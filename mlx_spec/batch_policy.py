@@ -910,7 +910,7 @@ class BatchDraftPolicy:
         verdict of 0.8: every 32nd). A size the batch passes through on its way down (8
         rows, then 7 as a row ends) is thus priced, not joined blindly: a late join feeds
         the drafter a whole history."""
-        guarded = self.guard is not None and (rows >= self.guard_from or arm in self.alone)
+        guarded = bool(self._watched(rows, {arm}))
         ratio = self.guard.verdict(rows, arm) if guarded else None
         steps, used = self._use[rows][arm] if rows in self._use else (0.0, 0.0)
         seen = steps >= 4.0

@@ -127,10 +127,16 @@ class BlasThreads:
 def _measure(shapes, most: int, setter) -> dict[int, int]:
     """{width: 1} for the widths where one thread ran clearly faster than `most`, in a first
     round over every width and again in a second, longer one over those it picked."""
+    _, second = _rounds(shapes, most, setter)
+    return {width: 1 for width, pairs in second.items() if _pick(pairs, most, AGREE) == 1}
+
+
+def _rounds(shapes, most: int, setter) -> tuple[dict, dict]:
+    """The timings of the first round (every width) and of the second (the widths the first
+    gave one thread), as `_timings` returns them."""
     first = _timings(shapes, most, setter, range(1, MAX_WIDTH + 1), REPEATS)
     picked = [width for width, pairs in first.items() if _pick(pairs, most) == 1]
-    second = _timings(shapes, most, setter, picked, CONFIRM)
-    return {width: 1 for width, pairs in second.items() if _pick(pairs, most, AGREE) == 1}
+    return first, _timings(shapes, most, setter, picked, CONFIRM)
 
 
 def _pick(pairs: list[tuple[float, float]], most: int, agree: int = 0) -> int:
@@ -196,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     most, setter = functions
     shapes = _shapes(model)
     print(f"{_blas.describe()}; {most} threads; matmul pair {shapes}")
-    first = _timings(shapes, most, setter, range(1, MAX_WIDTH + 1), REPEATS)
-    picked = [width for width, pairs in first.items() if _pick(pairs, most) == 1]
-    second = _timings(shapes, most, setter, picked, CONFIRM)
+    first, second = _rounds(shapes, most, setter)
     for width, pairs in first.items():
         one = statistics.median(a for a, _ in pairs)
         every = statistics.median(b for _, b in pairs)
