@@ -5,7 +5,9 @@ each) queue a request each at once on mlx-spec's `BatchEngine`; with `--requests
 client sends R in all, the next when its last finished (the engine then keeps a prompt cache
 and prompts repeat across clients, as in `server_load.py`: the turnover of a server, without
 HTTP; `--arrival-delay-ms D`: each next request D ms after the last one ended, as a
-client's round trip to a server puts it). Every request generates exactly `--max-tokens`
+client's round trip to a server puts it; `--keep-prompt-cache`: one prompt cache for the whole
+run, as a server keeps across requests, so that a repeat finds the last one's prompts and model
+drafters' states). Every request generates exactly `--max-tokens`
 tokens (EOS off); throughput is all
 generated tokens over the wall time from the first request to the last token (prefill
 included). Modes: plain decoding, each drafter of the embedded pair with the
@@ -88,6 +90,7 @@ def run_engine(
     plain_when_full: bool = False,
     delay: float = 0.0,
     guard: bool = True,
+    keep_cache: bool = False,
 ):
     """Each client's first request queued at once, each next one when the client's last
     finished; step to the end. Returns (tokens generated, seconds, acceptance). With more
@@ -95,11 +98,15 @@ def run_engine(
     BLAS keeps all its threads for every pass (no `BlasThreads` plan); `join_share`: the
     policy's `min_share` for the run; `plain_when_full`: plain steps whenever the batch is
     full; `delay`: seconds between a request's end and its client's next request (a
-    server's round trip; 0: queued at once); `guard`: False turns the policy's guard off."""
+    server's round trip; 0: queued at once); `guard`: False turns the policy's guard off;
+    `keep_cache`: the engine's prompt cache is kept from run to run (made once), as a
+    server keeps it across requests."""
     finals = []
     pending: list[tuple[float, list, int]] = []  # (when, client, request) not yet sent
     drafter = None if mode == "plain" else mode
-    if max(len(c) for c in clients) > 1:
+    if keep_cache:
+        engine.row_cache = engine.row_cache or RowCache()
+    elif max(len(c) for c in clients) > 1:
         engine.row_cache = RowCache()
 
     def submit(client: list, r: int) -> None:
@@ -235,14 +242,14 @@ def print_trace(trace: list, wall: float) -> None:
 def configurations(engine, model, batch, args) -> list:
     """(name, run) for each mode and the peer, each run returning (tokens, seconds, acceptance)."""
     out = []
-    delay = args.arrival_delay_ms / 1e3
+    delay, keep = args.arrival_delay_ms / 1e3, args.keep_prompt_cache
     for mode in args.modes:
         out.append(
             (
                 mode,
                 lambda m=mode: run_engine(
                     engine, batch, args.max_tokens, m, args.temperature, args.num_draft,
-                    delay=delay,
+                    delay=delay, keep_cache=keep,
                 ),
             )
         )  # fmt: skip
@@ -258,13 +265,15 @@ def configurations(engine, model, batch, args) -> list:
                     args.temperature,
                     every_thread=True,
                     delay=delay,
+                    keep_cache=keep,
                 ),  # fmt: skip
             )
         )
     spec = [m for m in args.modes if m != "plain"]
     run = lambda m, **kw: run_engine(  # noqa: E731
-        engine, batch, args.max_tokens, m, args.temperature, args.num_draft, delay=delay, **kw
-    )
+        engine, batch, args.max_tokens, m, args.temperature, args.num_draft, delay=delay,
+        keep_cache=keep, **kw,
+    )  # fmt: skip
     if args.compare_joins:
         out += [(f"{m}, every join", lambda m=m: run(m, join_share=0.0)) for m in spec]
     if args.compare_plain_when_full:
@@ -369,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="with --requests > 1: milliseconds between a request's end and its client's next "
         "one (a server's round trip, as in server_load.py; default 0: queued at once)",
+    )
+    p.add_argument(
+        "--keep-prompt-cache",
+        action="store_true",
+        help="keep one prompt cache for the whole run, as a server does across requests: a "
+        "repeat's prompts, and the model drafters' states with them, are the last repeat's "
+        "(a row then takes its drafters in for nothing; default: a fresh cache per run)",
     )
     p.add_argument(
         "--compare-threads",

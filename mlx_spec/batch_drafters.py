@@ -52,6 +52,10 @@ class BatchDrafter:
     # Whether a row joining it costs a pass over its prompt (a model drafter's cache), which
     # the engine pays only where the batch policy has been drafting with it (`join_pays`).
     feeds_prompt = False
+    # Whether drafting k tokens runs k passes of a model one after another (a draft model, an
+    # MTP or EAGLE head), so that each draft position costs about a pass: the batch policy
+    # bounds what a width it has not run may cost by it (`BatchDraftPolicy`, `chained`).
+    chained = False
 
     def __init__(self):
         self.rows: list[int] = []
@@ -166,6 +170,7 @@ class _ModelDrafter(BatchDrafter):
     (the next draft feeds them, the last one included)."""
 
     feeds_prompt = True
+    chained = True
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -382,6 +387,7 @@ class BatchDFlash(_ModelDrafter):
 
     name = "dflash"
     needs_hidden = True
+    chained = False  # one pass drafts the whole block
 
     def __init__(self, model: nn.Module):
         super().__init__(model)

@@ -191,6 +191,8 @@ class _Costs:
         self.fits: dict[tuple, list] = {}  # arms -> [x^T x (4x4), x^T y (4)]
         self._solved: dict[tuple, np.ndarray] = {}  # arms -> (c0, c1, c2, c3), until a step
         self.cells: dict[tuple, list[float]] = {}  # (arms, B, K) -> [decayed sum, weight]
+        # (arms, B) -> seconds a draft position of chained drafters took (their passes)
+        self.drafting: dict[tuple, float] = {}
         self._memo: dict[tuple, float] = {}  # predictions since the last step observed
 
     def plain_seconds(self, rows: int) -> float:
@@ -257,7 +259,11 @@ class _Costs:
         its own cell has no steps (None where it has: its prediction stands). Taken from the
         cells of the same drafters that have: a step is no cheaper than one of as many rows
         or fewer drafting fewer (their most expensive), nor than the chord between its
-        measured neighbours at its batch size, nor than its plain step. The line stands in
+        measured neighbours at its batch size, nor than its plain step and, for drafters
+        that run a pass per draft (`BatchDraftPolicy`'s `chained`), its drafts' passes at
+        their measured cost (`draft_seconds`): on an H100 a lone row's MTP head costs
+        nearly a plain step per draft, and a width never run, hoped to cost a plain step,
+        had its exploring steps run K = 7 and 8 at several plain steps each. The line stands in
         for such a cell when choosing; it is fitted to the widths that ran, and a CPU's
         widths are far from a line (a 2-core x86 at B = 1: K = 1 costs 1.75 plain steps,
         K = 6 2.5): fitted to K = 1 and 2, it prices K = 6 at 4 plain steps, and a width so
@@ -286,7 +292,25 @@ class _Costs:
         if below is not None and above is not None:
             share = (big_k - below[0]) / (above[0] - below[0])
             least = max(least, below[1] + share * (above[1] - below[1]))
+        # Chained drafters run a pass per draft: a step is no cheaper than a plain one and
+        # its drafts' passes.
+        drafting = big_k * self.draft_seconds(rows, arms)
+        least = max(least, self.plain_seconds(rows) + self.switch_share(arms) + drafting)
         return least + self.weights(arms)[3] * catch_up
+
+    def draft_seconds(self, rows: int, arms: tuple) -> float:
+        """Seconds a draft position of drafters `arms` takes at `rows` rows, at least: as
+        measured at the largest batch size up to `rows` (drafting costs no less with more
+        rows); 0 where none was (or the drafters are not chained)."""
+        sizes = [b for a, b in self.drafting if a == arms and b <= rows]
+        return self.drafting[arms, max(sizes)] if sizes else 0.0
+
+    def observe_drafting(self, rows: int, big_k: int, arms: tuple, seconds: float) -> None:
+        """Chained drafters `arms` drafted up to `big_k` per row for `rows` rows in
+        `seconds` (building and queueing their passes)."""
+        self._memo.clear()
+        before = self.drafting.get((arms, rows))
+        self.drafting[arms, rows] = _ema(before, seconds / big_k, self.alpha)
 
     def observe(
         self,
@@ -493,6 +517,9 @@ class BatchDraftPolicy:
             steps the step costs priced as gains, ran at 0.74x and 0.80x of plain decoding
             through the server, where a lone row's speculative step costs about two plain
             ones whatever it drafts).
+        chained: the drafters that run a pass per draft (a draft model, an MTP or EAGLE
+            head): their measured seconds per draft bound what a width never run may cost
+            (`_Costs.hope`; `observe`'s `drafting`).
         join_budget: a row joins a model drafter whenever the drafter's measured cost of
             taking rows in, for as many rows as the batch has, stays within this share of
             the plain time of the row's expected life (`join_pays`); 0: never.
@@ -528,6 +555,7 @@ class BatchDraftPolicy:
         guard_from: int = 2,
         join_budget: float = 0.03,
         alone=(),
+        chained=(),
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -556,6 +584,7 @@ class BatchDraftPolicy:
         self.guard = _Guard() if guard else None
         self.guard_from, self.join_budget = guard_from, join_budget
         self.alone = frozenset(alone)
+        self.chained = frozenset(chained)
         self._built: set[int] = set()  # drafters whose first join (compiling) went uncharged
         self._join_cost: dict[int, float] = {}  # arm -> seconds per token fed at joining
         self._joins: dict[int, int] = {}  # arm -> joins timed
@@ -1010,14 +1039,16 @@ class BatchDraftPolicy:
         window: int | None = None,
         joined: dict[int, float] | None = None,
         disturbed: bool = False,
+        drafting: float = 0.0,
     ) -> None:
         """A step ran: row i drafted with `rows[i]` (arm, k asked); `outcomes[i]` = (drafted,
-        accepted); it took `seconds`, `catch_up` tokens of it catching up, in the guard's
-        `window` (`BatchChoice`); model drafters spent `joined[arm]` seconds taking rows in
-        since the last step. A join is a row's cost, once, not a step's: the step costs leave
-        it out (fitted as a step's, it would price every speculative step as the first after
-        a join, and the policy would stop drafting where a join pays for itself many times
-        over); the guard counts it as its drafter's, so that joins that do not pay lose.
+        accepted); it took `seconds`, `drafting` of them drafting, `catch_up` tokens of it
+        catching up, in the guard's `window` (`BatchChoice`); model drafters spent
+        `joined[arm]` seconds taking rows in since the last step. A join is a row's cost,
+        once, not a step's: the step costs leave it out (fitted as a step's, it would price
+        every speculative step as the first after a join, and the policy would stop drafting
+        where a join pays for itself many times over); the guard counts it as its
+        drafter's, so that joins that do not pay lose.
 
         `disturbed`: rows joined or left the batch since the last step, and the step also
         ran what that left queued (the batch's cache re-formed: rows written in, dropped,
@@ -1040,6 +1071,8 @@ class BatchDraftPolicy:
         shape = self.shape(drafted)
         self._follow = list(rows) if shape[1] and self.costs.switching else None
         built = self.costs.observe(*shape, seconds, catch_up, disturbed)
+        if drafting > 0 and shape[1] and not (catch_up or built) and set(shape[2]) <= self.chained:
+            self.costs.observe_drafting(*shape, drafting)
         if self.guard is not None and window is not None and not built:
             tokens = len(rows) + sum(n for _, n in outcomes)
             self.guard.observe(len(rows), window, tokens, seconds)

@@ -286,7 +286,8 @@ class BatchEngine:
         # The guard watches a lone row's model drafters too (joins and catch-ups: costs its
         # steps do not show), not its n-gram lookup (`BatchDraftPolicy`, `alone`).
         model_drafters = [i for i, n in enumerate(self.names) if drafters[n].feeds_prompt]
-        self.policy = BatchDraftPolicy(self.names, max_draft, alone=model_drafters)
+        chained = [i for i, n in enumerate(self.names) if drafters[n].chained]
+        self.policy = BatchDraftPolicy(self.names, max_draft, alone=model_drafters, chained=chained)
         self.cache: BatchCache | None = None  # the target's, over `active`
         self.active: list[_Row] = []
         # Rows of `cache` whose rows left since the last decoding step (`_remove`), in order:
@@ -944,7 +945,14 @@ class BatchEngine:
         catch_up, window, joined = choice.catch_up, choice.window, self._join_spent
         turnover, self._turnover = self._turnover, False
         self.policy.observe(
-            choice.rows, outcomes, seconds, catch_up, window, joined, disturbed=turnover
+            choice.rows,
+            outcomes,
+            seconds,
+            catch_up,
+            window,
+            joined,
+            disturbed=turnover,
+            drafting=queued - tic if k else 0.0,
         )
         self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, {}
         if self.trace is not None:
