@@ -1586,3 +1586,26 @@ def test_a_chained_drafters_passes_bound_what_an_unmeasured_width_may_cost():
     assert not any(k >= 5 for k in bounded), bounded
     assert bounded_rate > unbounded_rate
     assert bounded_rate > 0.955 / 2.6e-3  # probes and the cold start cost under 5%
+
+
+def test_a_catch_up_is_spread_over_the_steps_it_served():
+    """A model drafter that sat out must first feed what it missed (a catch-up), priced
+    spread over the steps it is expected to go on drafting. In a group at 8 rows on a 2-core
+    x86 the MTP head drafted far fewer than the 8 assumed after most catch-ups: the policy
+    learns that from the steps it observes (per set of drafters that catch up), and prices
+    a plan with a catch-up accordingly; drafters that never caught up keep the prior."""
+    policy = BatchDraftPolicy(["ngram", "mtp"], alone=(1,), chained=(1,))
+    for _ in range(5):
+        policy.observe([(None, 0)] * 8, [(0, 0)] * 8, 10e-3)
+    assert policy._horizon((1,)) == policy.horizon
+    before = policy._rate([RowAsk([1], None, 8, [None], [40])] * 8, [(1, 2)] * 8, 20.0)
+    for _ in range(12):  # a catch-up, one more step with the head, then the lookup alone
+        policy.observe([(1, 2)] * 8, [(2, 1)] * 8, 30e-3, catch_up=40)
+        policy.observe([(1, 2)] * 8, [(2, 1)] * 8, 20e-3)
+        for _ in range(3):
+            policy.observe([(0, 2)] * 8, [(2, 1)] * 8, 15e-3)
+    assert 2.0 <= policy._horizon((1,)) < 3.5
+    assert policy._horizon((0, 1)) == policy._horizon((1,))  # the lookup piles up no backlog
+    assert policy._horizon((0,)) == policy.horizon
+    after = policy._rate([RowAsk([1], None, 8, [None], [40])] * 8, [(1, 2)] * 8, 20.0)
+    assert after < before  # the same catch-up, spread over fewer steps
