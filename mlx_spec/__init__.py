@@ -4,6 +4,10 @@ from mlx_spec import _blas
 
 _blas.preload()  # must precede the first `import mlx.core` (see _blas.py)
 
+from mlx_spec import heap  # noqa: E402
+
+heap.install()  # Linux: malloc keeps freed memory for the next pass's buffers
+
 from mlx_spec.models import reference_fixes  # noqa: E402
 
 reference_fixes.install()  # where mlx-lm's model of a family differs from the reference
