@@ -590,6 +590,7 @@ class BatchDraftPolicy:
         self.guard_from, self.join_budget = guard_from, join_budget
         self.alone = frozenset(alone)
         self.chained = frozenset(chained)
+        self._backlogging = self.alone | self.chained  # drafters that pile up a backlog
         self._built: set[int] = set()  # drafters whose first join (compiling) went uncharged
         self._join_cost: dict[int, float] = {}  # arm -> seconds per token fed at joining
         self._joins: dict[int, int] = {}  # arm -> joins timed
@@ -699,7 +700,7 @@ class BatchDraftPolicy:
     def _backlogged(self, arms: tuple) -> tuple:
         """The drafters of `arms` that pile up a backlog while they sit out (model
         drafters; all of `arms` where the policy was told of none)."""
-        known = self.alone | self.chained
+        known = self._backlogging
         return tuple(a for a in arms if a in known) if known else arms
 
     def _horizon(self, arms: tuple) -> float:

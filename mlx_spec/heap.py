@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
+
+from mlx_spec.fastmath import env_allows
 
 ENV = "MLX_SPEC_HEAP"  # 0: malloc's own settings
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
@@ -34,7 +35,7 @@ def install() -> bool:
     """Set glibc's malloc to keep freed memory (see the module); whether it did."""
     if _state["installed"]:
         return True
-    if not sys.platform.startswith("linux") or os.environ.get(ENV, "1").strip() in ("0", "off"):
+    if not sys.platform.startswith("linux") or not env_allows(ENV):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
