@@ -301,9 +301,19 @@ class _Costs:
     def draft_seconds(self, rows: int, arms: tuple) -> float:
         """Seconds a draft position of drafters `arms` takes at `rows` rows, at least: as
         measured at the largest batch size up to `rows` (drafting costs no less with more
-        rows); 0 where none was (or the drafters are not chained)."""
+        rows); where the set never drafted alone (a group's rows drafting with a model
+        drafter and the n-gram lookup: only sets of chained drafters are measured), the
+        dearest of its drafters' own (a step is no cheaper than its chained drafter's
+        passes; without it such a set's widths were hoped to cost a plain step); 0 where
+        none was (or no drafter is chained)."""
+        own = self._drafting_at(rows, arms)
+        if own is not None or len(arms) < 2:
+            return own or 0.0
+        return max((self._drafting_at(rows, (arm,)) or 0.0 for arm in arms), default=0.0)
+
+    def _drafting_at(self, rows: int, arms: tuple) -> float | None:
         sizes = [b for a, b in self.drafting if a == arms and b <= rows]
-        return self.drafting[arms, max(sizes)] if sizes else 0.0
+        return self.drafting[arms, max(sizes)] if sizes else None
 
     def observe_drafting(self, rows: int, big_k: int, arms: tuple, seconds: float) -> None:
         """Chained drafters `arms` drafted up to `big_k` per row for `rows` rows in
@@ -809,6 +819,7 @@ class BatchDraftPolicy:
         untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
         merged = _Merged(asks)
         best, plans, unmeasured, hopeful, hoped = None, {}, None, None, 0.0
+        calm: dict = {}  # per K, its best plan that no drafter catches up in
         contender = (1 + self.margin) * plain_rate  # what a hope must promise to be tried
         # Only a probe or an exploring step runs a width for its hope: other steps leave it.
         exploring = self._since_spec >= self._probe_every
@@ -838,6 +849,8 @@ class BatchDraftPolicy:
                 reach = max(reach, rate)
                 if big_k not in plans or rate > plans[big_k][2]:
                     plans[big_k] = (plan, shape, rate, only)
+                if not spread and (big_k not in calm or rate > calm[big_k][2]):
+                    calm[big_k] = (plan, shape, rate, only)
                 if best is None or rate > best[0]:
                     best = (rate, big_k, plan, only)
                     contender = (1 + self.margin) * max(rate, plain_rate)
@@ -863,9 +876,12 @@ class BatchDraftPolicy:
                 if hopeful is not None:
                     rows = merged.rows(hopeful[2])
                     return self._choice(asks, hopeful[1], rows, only=hopeful[3])
-                arm = self._untried(asks, merged.rows(best[2]))
+                arm = self._untried(merged, best, accept)
                 if arm is not None and (self._steps // self.explore_every) % 2:
                     return self._choice(asks, best[1], self._plan(merged, best[1], accept, arm)[0])
+                # A step with a catch-up measures no width (`_Costs.observe`): where a
+                # width has a plan without one, that plan explores it.
+                plans = {k: calm.get(k, plan) for k, plan in plans.items()}
                 big_k = self._explore(best[1], plans)
                 rows = merged.rows(plans[big_k][0])
                 return self._choice(asks, big_k, rows, only=plans[big_k][3])
@@ -912,17 +928,30 @@ class BatchDraftPolicy:
                     most = max(most, min(ask.limit, self.max_draft if avail is None else avail))
         return min(most, self.max_draft)
 
-    def _untried(self, asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int | None:
+    def _untried(self, merged: _Merged, best: tuple, accept) -> int | None:
         """Of the drafters rows may choose between (a group), the least tried one that the
-        chosen plan leaves out, or None. A row of a group drafts with the arm whose
-        acceptance and cost look best; an arm that is never run is never measured (a cheap
-        n-gram lookup behind an MTP head whose prior looked better), so exploring steps
-        alternate between another K and such an arm."""
-        used = {arm for arm, k in rows if arm is not None and k > 0}
-        choices = {arm for ask in asks if len(ask.arms) > 1 for arm in ask.arms} - used
-        if not choices:
+        best plan (`best`: its rate, K, plan) leaves out and that is worth a step to measure,
+        or None. A row of a group drafts with the arm whose acceptance and cost look best;
+        an arm that is never run is never measured (a cheap n-gram lookup behind an MTP head
+        whose prior looked better), so exploring steps alternate between another K and such
+        an arm: one with fewer than `thin` rounds behind its acceptance (a guess), or one
+        that can draft without catching up first. A model drafter the plans leave out piles
+        up a backlog (every token decoded since it last drafted): forced into a step once
+        its acceptance is known, it fed that backlog for every row on each of those steps
+        and measured nothing new (a group of 8 rows on a 2-core x86: up to 8% of a run
+        in such steps, at under half the lookup's tokens per second)."""
+        used = {arm for arm, k in merged.rows(best[2]) if arm is not None and k > 0}
+        group = {arm for ask in merged.distinct if len(ask.arms) > 1 for arm in ask.arms}
+        eligible = []
+        for arm in group - used:
+            if self.trials[arm][0] >= self.thin:
+                forced = self._merged_plan(merged, best[1], accept, force=arm)[0]
+                if merged.catch_up(forced) > 0:
+                    continue
+            eligible.append(arm)
+        if not eligible:
             return None
-        return min(choices, key=lambda arm: (self.trials[arm][0], arm))
+        return min(eligible, key=lambda arm: (self.trials[arm][0], arm))
 
     def _explore(self, best: int, plans: dict) -> int:
         """The K an exploring step runs: of 1 .. best + 1 (best excluded), the one whose own

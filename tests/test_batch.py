@@ -1609,3 +1609,57 @@ def test_a_catch_up_is_spread_over_the_steps_it_served():
     assert policy._horizon((0,)) == policy.horizon
     after = policy._rate([RowAsk([1], None, 8, [None], [40])] * 8, [(1, 2)] * 8, 20.0)
     assert after < before  # the same catch-up, spread over fewer steps
+
+
+def test_exploring_steps_do_not_force_a_measured_drafter_that_must_catch_up():
+    """A group of 8 rows: the n-gram lookup keeps 70% of its drafts, a draft model 30% and
+    costs a pass per draft. Once the draft model's acceptance is measured, the plans leave
+    it out, so it piles up a backlog; exploring steps that forced the least tried drafter
+    of the group into the plan fed that backlog for every row every 16th speculative step
+    (measuring nothing new). Now only a drafter with a guess for an acceptance, or one
+    that drafts without catching up, is forced."""
+    policy = BatchDraftPolicy(["draft", "ngram"], alone=(0,), chained=(0,), guard=False)
+    rng = random.Random(4)
+    backlog = [0] * 8
+    forced, steps = 0, 600
+    for step in range(steps):
+        asks = [RowAsk([0, 1], None, 8, [None, None], [b, 0]) for b in backlog]
+        choice = policy.choose(asks)
+        outcomes = []
+        for arm, k in choice.rows:
+            rate = 0.3 if arm == 0 else 0.7
+            n = 0
+            while arm is not None and n < k and rng.random() < rate:
+                n += 1
+            outcomes.append((k, n))
+        big_k = choice.num_draft
+        drafting = any(arm == 0 and k for arm, k in choice.rows)
+        seconds = 1e-3 * (10 + big_k + (2 * big_k if drafting else 0) + 0.2 * choice.catch_up)
+        policy.observe(
+            choice.rows, outcomes, seconds, catch_up=choice.catch_up,
+            drafting=2e-3 * big_k if drafting else 0.0,
+        )  # fmt: skip
+        for i, ((arm, k), (_, n)) in enumerate(zip(choice.rows, outcomes, strict=True)):
+            backlog[i] = 0 if arm == 0 and k else backlog[i] + 1 + n
+        if step >= steps - 400 and drafting and choice.catch_up:
+            forced += 1
+    assert policy.trials[0][0] >= policy.thin  # the draft model was measured
+    assert forced <= 2, forced
+
+
+def test_a_mixed_sets_hope_counts_its_chained_drafters_passes():
+    """Only steps whose drafters are all chained measure their passes; a group's step where
+    some rows draft with the MTP head (chained) and others with the lookup is bound by the
+    head's own measured cost per draft, at the largest size measured up to its own."""
+    from mlx_spec.batch_policy import _Costs
+
+    costs = _Costs()
+    for _ in range(3):
+        costs.observe(4, 0, (), 10e-3)
+    costs.observe_drafting(4, 2, (0,), 4e-3)  # the head alone: 2 ms a draft at 4 rows
+    assert costs.draft_seconds(4, (0, 1)) == pytest.approx(2e-3)
+    assert costs.draft_seconds(6, (0, 1)) == pytest.approx(2e-3)
+    assert costs.draft_seconds(2, (0, 1)) == 0.0  # never measured at 2 rows or fewer
+    assert costs.hope(4, 6, (0, 1)) >= 10e-3 + 6 * 2e-3
+    costs.observe_drafting(4, 1, (0, 1), 1e-3)  # the set's own measure stands where it has one
+    assert costs.draft_seconds(4, (0, 1)) == pytest.approx(1e-3)
