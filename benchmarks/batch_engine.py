@@ -33,9 +33,11 @@ building the drafters' graphs, queueing them, building the verifying pass, waiti
 and the host's work after it; a plain step's time is all its pass's), per rows and drafts
 (K = 0: plain steps), with the tokens the steps emitted per millisecond, and the share of the
 wall time (summed over the repeats) in plain, speculative and catch-up steps and outside them
-(prefill, joins, the policy's choice). With several requests per client, the steps with fewer
-rows than N are the run's tail: clients whose requests drafted well are done, the others still
-run (plain decoding keeps every row in step, so it has none).
+(prefill, joins, the policy's choice), and the speculative steps' share by the policy's
+reason for them (`BatchChoice.why`: its best plan, exploring steps, probes, the step after
+a switch), each with the share of them that caught up. With several requests per client,
+the steps with fewer rows than N are the run's tail: clients whose requests drafted well are
+done, the others still run (plain decoding keeps every row in step, so it has none).
 
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
@@ -208,7 +210,8 @@ def print_trace(trace: list, wall: float) -> None:
     """Per (rows, drafts): the median milliseconds of each part of a step (the engine's
     `StepTrace`; K = 0: plain steps) and the mean tokens it emitted, over the steps without a
     catch-up; then where the `wall` seconds of the runs went: plain steps, speculative steps
-    (with a catch-up apart) and the rest (prefill, joins, leaving rows)."""
+    (with a catch-up apart) and the rest (prefill, joins, leaving rows), and the speculative
+    steps by the policy's reason for them."""
     parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
     totals: dict[str, list] = {"plain": [0.0, 0], "speculative": [0.0, 0], "catch-up": [0.0, 0]}
     for step in trace:
@@ -220,6 +223,19 @@ def print_trace(trace: list, wall: float) -> None:
         f"{kind} {s / wall:4.0%} ({n / s if s else 0:.0f} tok/s)" for kind, (s, n) in totals.items()
     )
     print(f"      wall {wall:.2f} s: {cells}  other (prefill, joins) {rest / wall:4.0%}")
+    why: dict[str, list] = {}  # the speculative steps by the policy's reason for them
+    for step in trace:
+        if step.num_draft:
+            entry = why.setdefault(step.why, [0.0, 0, 0.0])
+            entry[0] += sum(getattr(step, part) for part in parts)
+            entry[1] += step.tokens
+            entry[2] += sum(getattr(step, part) for part in parts) if step.catch_up else 0.0
+    if why:
+        cells = "  ".join(
+            f"{name} {s / wall:4.0%} ({n / s:.0f} tok/s; catching up {up / wall:4.0%})"
+            for name, (s, n, up) in sorted(why.items(), key=lambda kv: -kv[1][0])
+        )
+        print(f"      speculative steps by the policy's reason: {cells}")
     if trace:  # rows out of step attend over the longest row's columns, and over holes
         columns = statistics.mean(s.columns for s in trace)
         held = statistics.mean(s.held for s in trace)

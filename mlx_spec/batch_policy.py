@@ -491,6 +491,11 @@ class BatchChoice:
     # (the guard stood aside: no row can draft, one drafts a fixed k, or a lone row whose
     # drafters are not watched alone).
     window: int | None = None
+    # Why the policy chose it (`batch_engine.py --trace` reports the time of each): "best"
+    # (the plan it rates best; a plain step where that is plain decoding), "explore" (an
+    # exploring step: another width or drafter), "probe", "follow" (the step after a switch
+    # out of plain decoding, repeating its plan to price its width).
+    why: str = "best"
 
 
 class BatchDraftPolicy:
@@ -798,7 +803,7 @@ class BatchDraftPolicy:
                     n = min(big_k, ask.limit, self.max_draft if avail is None else avail)
                 rows.append((arm, n) if n > 0 else (None, 0))
             if any(n for _, n in rows):
-                return self._choice(asks, max(n for _, n in rows), rows)
+                return self._choice(asks, max(n for _, n in rows), rows, why="follow")
         signature = self._signature(asks)
         quiet = self._quiet
         if quiet is not None and quiet[0] == signature and quiet[1] > 0:
@@ -875,16 +880,17 @@ class BatchDraftPolicy:
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
                 if hopeful is not None:
                     rows = merged.rows(hopeful[2])
-                    return self._choice(asks, hopeful[1], rows, only=hopeful[3])
+                    return self._choice(asks, hopeful[1], rows, only=hopeful[3], why="explore")
                 arm = self._untried(merged, best, accept)
                 if arm is not None and (self._steps // self.explore_every) % 2:
-                    return self._choice(asks, best[1], self._plan(merged, best[1], accept, arm)[0])
+                    rows = self._plan(merged, best[1], accept, arm)[0]
+                    return self._choice(asks, best[1], rows, why="explore")
                 # A step with a catch-up measures no width (`_Costs.observe`): where a
                 # width has a plan without one, that plan explores it.
                 plans = {k: calm.get(k, plan) for k, plan in plans.items()}
                 big_k = self._explore(best[1], plans)
                 rows = merged.rows(plans[big_k][0])
-                return self._choice(asks, big_k, rows, only=plans[big_k][3])
+                return self._choice(asks, big_k, rows, only=plans[big_k][3], why="explore")
             return self._choice(asks, best[1], merged.rows(best[2]), only=best[3])
         self._speculating = False
         if self._since_spec >= self._probe_every:
@@ -904,7 +910,7 @@ class BatchDraftPolicy:
             if any(self.trials[arm][0] < self.thin for arm in drafting):
                 self._probe_every = min(self._probe_every, self.probe_max)
             rows = merged.rows(probe[2])
-            return self._choice(asks, probe[1], rows, probe=True, only=probe[3])
+            return self._choice(asks, probe[1], rows, probe=True, only=probe[3], why="probe")
         if signature is not None:
             self._quiet = [signature, self.recheck - 1]
         return BatchChoice(0, plain_rows)
@@ -972,16 +978,18 @@ class BatchDraftPolicy:
         return min(candidates, key=known)
 
     def _choice(
-        self, asks, big_k: int, rows, probe: bool = False, only=None, window=None
+        self, asks, big_k: int, rows, probe: bool = False, only=None, window=None, why="best"
     ) -> BatchChoice:
-        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows), only, window)
+        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows), only, window, why)
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
         if choice.window:
             asks = [_without(ask, choice.window) for ask in asks]
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
-        return self._choice(asks, choice.num_draft, rows, choice.probe, choice.only, choice.window)
+        return self._choice(
+            asks, choice.num_draft, rows, choice.probe, choice.only, choice.window, choice.why
+        )
 
     def join_pays(
         self, arm: int, rows: int, probe: bool = True, tokens: int = 0, life: float = 0.0

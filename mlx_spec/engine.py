@@ -163,6 +163,7 @@ class StepTrace:
     host: float
     columns: int = 0
     held: float = 0.0
+    why: str = "best"  # the policy's reason for the step (`BatchChoice.why`)
 
 
 class _Features:
@@ -801,7 +802,7 @@ class BatchEngine:
         rows = [(None if a < 0 else a, k) for a, k in zip(flat[5::2], flat[6::2], strict=True)]
         only = None if flat[3] < 0 else flat[3]
         window = None if flat[4] < 0 else flat[4]
-        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, window)
+        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, window, choice.why)
 
     # --- plain steps, pipelined -------------------------------------------------------------
 
@@ -960,7 +961,9 @@ class BatchEngine:
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             tokens = sum(1 + n for _, n in outcomes)
             widths = self._widths()
-            self.trace.append(StepTrace(len(rows), k, choice.catch_up, tokens, *spans, *widths))
+            self.trace.append(
+                StepTrace(len(rows), k, choice.catch_up, tokens, *spans, *widths, choice.why)
+            )
 
     def _widths(self) -> tuple[int, float]:
         """(columns in use, mean tokens held per row) of the target's cache (`StepTrace`)."""

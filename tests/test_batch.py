@@ -270,6 +270,7 @@ def test_engine_trace_records_each_step(loaded):
     # where rows are out of step or rejected drafts left columns empty.
     assert all(0 < t.held <= t.columns for t in engine.trace)
     assert any(t.columns > t.held for t in engine.trace)
+    assert all(t.why in ("best", "explore", "probe", "follow") for t in engine.trace)
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])
@@ -1621,10 +1622,11 @@ def test_exploring_steps_do_not_force_a_measured_drafter_that_must_catch_up():
     policy = BatchDraftPolicy(["draft", "ngram"], alone=(0,), chained=(0,), guard=False)
     rng = random.Random(4)
     backlog = [0] * 8
-    forced, steps = 0, 600
+    forced, steps, whys = 0, 600, []
     for step in range(steps):
         asks = [RowAsk([0, 1], None, 8, [None, None], [b, 0]) for b in backlog]
         choice = policy.choose(asks)
+        whys.append(choice.why if choice.num_draft else "plain")
         outcomes = []
         for arm, k in choice.rows:
             rate = 0.3 if arm == 0 else 0.7
@@ -1645,6 +1647,11 @@ def test_exploring_steps_do_not_force_a_measured_drafter_that_must_catch_up():
             forced += 1
     assert policy.trials[0][0] >= policy.thin  # the draft model was measured
     assert forced <= 2, forced
+    # Every `explore_every`-th speculative step explores (`BatchChoice.why`).
+    speculative = [why for why in whys if why != "plain"]
+    explored = speculative.count("explore")
+    assert abs(explored - len(speculative) / policy.explore_every) <= 3, (explored, whys)
+    assert set(speculative) <= {"best", "explore", "probe", "follow"}
 
 
 def test_a_mixed_sets_hope_counts_its_chained_drafters_passes():
