@@ -206,12 +206,12 @@ def run_peer(model, clients: list[list], max_tokens: int, temperature: float, de
     return tokens, seconds, 0.0
 
 
-def print_trace(trace: list, wall: float) -> None:
+def print_trace(trace: list, wall: float) -> dict:
     """Per (rows, drafts): the median milliseconds of each part of a step (the engine's
     `StepTrace`; K = 0: plain steps) and the mean tokens it emitted, over the steps without a
     catch-up; then where the `wall` seconds of the runs went: plain steps, speculative steps
     (with a catch-up apart) and the rest (prefill, joins, leaving rows), and the speculative
-    steps by the policy's reason for them."""
+    steps by the policy's reason for them. Returns those shares (for the JSON record)."""
     parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
     totals: dict[str, list] = {"plain": [0.0, 0], "speculative": [0.0, 0], "catch-up": [0.0, 0]}
     for step in trace:
@@ -236,6 +236,12 @@ def print_trace(trace: list, wall: float) -> None:
             for name, (s, n, up) in sorted(why.items(), key=lambda kv: -kv[1][0])
         )
         print(f"      speculative steps by the policy's reason: {cells}")
+    shares = {kind: s / wall for kind, (s, _) in totals.items()}
+    shares["other"] = rest / wall
+    reasons = {
+        name: {"share": s / wall, "tokens_per_sec": n / s, "catching_up": up / wall}
+        for name, (s, n, up) in why.items()
+    }
     if trace:  # rows out of step attend over the longest row's columns, and over holes
         columns = statistics.mean(s.columns for s in trace)
         held = statistics.mean(s.held for s in trace)
@@ -253,6 +259,7 @@ def print_trace(trace: list, wall: float) -> None:
             f"      B={rows} K={k} ({len(steps)} steps): {cells}  total {sum(ms):5.1f}  "
             f"tokens {tokens:4.1f} ({tokens / sum(ms):.2f}/ms)"
         )
+    return {"wall_shares": shares, "speculative_by_reason": reasons}
 
 
 def configurations(engine, model, batch, args) -> list:
@@ -478,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if traces.get(name):
-                print_trace(traces[name], walls[name])
+                row["trace"] = print_trace(traces[name], walls[name])
     if args.json:
         write_record(
             args.json, argv, results, max_tokens=args.max_tokens,

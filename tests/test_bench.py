@@ -270,14 +270,19 @@ def test_round_breakdown_script(checkpoints, tmp_path):
         assert r["phases_ms"]["target pass + verification"] > 0
 
 
-def _server_load():
+def _benchmark(name: str):
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "server_load.py"
-    spec = importlib.util.spec_from_file_location("server_load", path)
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up)
     spec.loader.exec_module(module)
     return module
+
+
+def _server_load():
+    return _benchmark("server_load")
 
 
 def test_server_load_budgets_and_steady_tokens():
@@ -298,3 +303,30 @@ def test_server_load_budgets_and_steady_tokens():
     ]
     assert load._tokens_before(done, 2.5) == pytest.approx(10 + 4)
     assert load._tokens_before(done, 0.5) == 0
+
+
+def test_batch_engine_trace_splits_the_wall_time_and_the_reasons(capsys):
+    """benchmarks/batch_engine.py `--trace`: the wall time's shares (plain, speculative and
+    catch-up steps, the rest) and the speculative steps' by the policy's reason, each with
+    the share of them that caught up, as printed and as kept in the JSON record."""
+    from mlx_spec.engine import StepTrace
+
+    trace = [
+        StepTrace(8, 0, 0, 8, 0.0, 0.0, 0.0, 0.010, 0.0),  # a plain step: 10 ms
+        StepTrace(8, 2, 0, 16, 0.001, 0.001, 0.001, 0.010, 0.001, why="best"),  # 14 ms
+        StepTrace(8, 3, 12, 12, 0.002, 0.003, 0.001, 0.012, 0.002, why="explore"),  # 20 ms
+    ]
+    out = _benchmark("batch_engine").print_trace(trace, wall=0.050)
+    shares = out["wall_shares"]
+    assert shares["plain"] == pytest.approx(0.2)
+    assert shares["speculative"] == pytest.approx(0.28)
+    assert shares["catch-up"] == pytest.approx(0.4)
+    assert shares["other"] == pytest.approx(0.12)
+    reasons = out["speculative_by_reason"]
+    assert set(reasons) == {"best", "explore"}
+    assert reasons["best"]["share"] == pytest.approx(0.28)
+    assert reasons["best"]["tokens_per_sec"] == pytest.approx(16 / 0.014)
+    assert reasons["best"]["catching_up"] == 0
+    assert reasons["explore"]["catching_up"] == pytest.approx(0.4)
+    printed = capsys.readouterr().out
+    assert "explore  40%" in printed and "catching up  40%" in printed
