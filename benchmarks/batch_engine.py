@@ -214,22 +214,22 @@ def print_trace(trace: list, wall: float) -> dict:
     steps by the policy's reason for them. Returns those shares (for the JSON record)."""
     parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
     totals: dict[str, list] = {"plain": [0.0, 0], "speculative": [0.0, 0], "catch-up": [0.0, 0]}
+    why: dict[str, list] = {}  # the speculative steps by the policy's reason for them
     for step in trace:
+        spent = sum(getattr(step, part) for part in parts)
         kind = "catch-up" if step.catch_up else "speculative" if step.num_draft else "plain"
-        totals[kind][0] += sum(getattr(step, part) for part in parts)
+        totals[kind][0] += spent
         totals[kind][1] += step.tokens
+        if step.num_draft:
+            entry = why.setdefault(step.why, [0.0, 0, 0.0])
+            entry[0] += spent
+            entry[1] += step.tokens
+            entry[2] += spent if step.catch_up else 0.0
     rest = wall - sum(s for s, _ in totals.values())
     cells = "  ".join(
         f"{kind} {s / wall:4.0%} ({n / s if s else 0:.0f} tok/s)" for kind, (s, n) in totals.items()
     )
     print(f"      wall {wall:.2f} s: {cells}  other (prefill, joins) {rest / wall:4.0%}")
-    why: dict[str, list] = {}  # the speculative steps by the policy's reason for them
-    for step in trace:
-        if step.num_draft:
-            entry = why.setdefault(step.why, [0.0, 0, 0.0])
-            entry[0] += sum(getattr(step, part) for part in parts)
-            entry[1] += step.tokens
-            entry[2] += sum(getattr(step, part) for part in parts) if step.catch_up else 0.0
     if why:
         cells = "  ".join(
             f"{name} {s / wall:4.0%} ({n / s:.0f} tok/s; catching up {up / wall:4.0%})"
