@@ -20,7 +20,13 @@ the script reports:
 - steady throughput: the completion tokens streamed while all N clients ran (before the first
   was done; a request's tokens spread evenly over its text events) over that time. With
   requests of equal length plain decoding keeps its rows in step, so its run has no tail;
-  speculation's rows finish apart, and its run ends with fewer than N streams.
+  speculation's rows finish apart, and its run ends with fewer than N streams;
+- per request against plain decoding (every mode but `none`, where `none` runs too): each
+  request's latency over the same request's (the same client and place in its sequence, so
+  the same prompt and budget) in the same repeat with speculation off, pooled over the
+  repeats: the share of requests more than 5% slower (`slower_than_plain`) and the ratio's
+  p50 / p95 (`plain_ratio_p50`, `plain_ratio_p95`). Throughput and the latency percentiles
+  pool the users; this says whether speculation made some of them slower.
 
 After the load rows come conversations (`--turns`, default 4; `--conversation-only` for them
 alone): each turn's prompt is the previous prompt + its reply + `--turn-tokens` new tokens of
@@ -173,6 +179,8 @@ async def run_load(
         wall = time.perf_counter() - tic
     done = [r for rs in results for r in rs if not r.get("error")]
     errors = sum(1 for rs in results for r in rs if r.get("error"))
+    # Per client, each request's latency in order (None: it failed): `versus_plain` pairs them.
+    each = [[None if r.get("error") else r["latency"] for r in rs] for rs in results]
     latencies = [r["latency"] for r in done]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in done)
@@ -196,7 +204,30 @@ async def run_load(
         "per_stream_tokens_per_sec": statistics.median(
             r["tokens"] / r["latency"] for r in done
         ) if done else 0.0,
+        "request_latencies": each,
     }  # fmt: skip
+
+
+SLOWER = 1.05  # a request this much slower than with speculation off counts as slower
+
+
+def versus_plain(runs: list[dict], plain: list[dict]) -> dict:
+    """Each request's latency in `runs` (one load row per repeat) over the same request's in
+    `plain`'s row of the same repeat, pooled over the repeats: the share more than `SLOWER`
+    times slower and the ratio's p50 and p95 (requests that failed on either side left out)."""
+    ratios = []
+    for run, base in zip(runs, plain, strict=False):
+        for mine, theirs in zip(run["request_latencies"], base["request_latencies"], strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                if a is not None and b:
+                    ratios.append(a / b)
+    if not ratios:
+        return {}
+    return {
+        "slower_than_plain": sum(r > SLOWER for r in ratios) / len(ratios),
+        "plain_ratio_p50": float(np.percentile(ratios, 50)),
+        "plain_ratio_p95": float(np.percentile(ratios, 95)),
+    }
 
 
 def _tokens_before(done: list[dict], until: float) -> float:
@@ -384,6 +415,9 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
                 row[key] = sum(r[key] for r in group)
             elif isinstance(value, (int, float)) and key not in row:
                 row[key] = statistics.median(r[key] for r in group)
+        row["request_latencies"] = [r["request_latencies"] for r in group]  # per repeat
+        if label != "none" and ("none", n) in runs:
+            row.update(versus_plain(group, runs["none", n]))
         rows.append(row)
     return sorted(rows, key=lambda r: ([c[0] for c in configs].index(r["mode"]), r["concurrency"]))
 
@@ -567,8 +601,8 @@ def summary(record: dict) -> str:
     lines = [
         "| mode | N | throughput (tokens/s) | over mlx_lm.server | while all N ran (tokens/s) "
         "| per stream (tokens/s) | latency p50 / p95 (s) | time to first token p50 / p95 (ms) "
-        "| acceptance |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| acceptance | requests slower than plain (latency ratio p95) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "concurrency" not in r:
@@ -578,12 +612,15 @@ def summary(record: dict) -> str:
         steady = f"{r['steady_tokens_per_sec']:.1f}" if "steady_tokens_per_sec" in r else "-"
         plain = r["mode"] in ("none", "mlx_lm.server")
         accept = "-" if plain else f"{r['acceptance_rate']:.2f}"
+        slower = "-"
+        if "slower_than_plain" in r:
+            slower = f"{r['slower_than_plain']:.0%} ({r['plain_ratio_p95']:.2f})"
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['throughput_tokens_per_sec']:.1f} | {versus} "
             f"| {steady} "
             f"| {r['per_stream_tokens_per_sec']:.1f} | {r['latency_p50_s']:.2f} / "
             f"{r['latency_p95_s']:.2f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} "
-            f"| {accept} |"
+            f"| {accept} | {slower} |"
         )
     talks = [r for r in rows if "conversation" in r]
     if talks:
@@ -614,7 +651,16 @@ def _format(row: dict) -> str:
         f"{row['ttft_p50_ms']:.0f}ms p95 {row['ttft_p95_ms']:.0f}ms  acceptance "
         f"{row['acceptance_rate']:.2f}  tail {row.get('tail_share', 0.0):.0%}  steady "
         f"{row.get('steady_tokens_per_sec', 0.0):.1f} tok/s  "
-        f"errors {row['errors']}"
+        f"errors {row['errors']}" + _versus_plain_text(row)
+    )
+
+
+def _versus_plain_text(row: dict) -> str:
+    if "slower_than_plain" not in row:
+        return ""
+    return (
+        f"  per request vs plain: {row['slower_than_plain']:.0%} slower, latency ratio p50 "
+        f"{row['plain_ratio_p50']:.2f} p95 {row['plain_ratio_p95']:.2f}"
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from mlx_spec import bench, cli
 from mlx_spec.stats import SpecStats
 
+import numpy as np
 import pytest
 
 REQUIRED = {
@@ -303,6 +304,39 @@ def test_server_load_budgets_and_steady_tokens():
     ]
     assert load._tokens_before(done, 2.5) == pytest.approx(10 + 4)
     assert load._tokens_before(done, 0.5) == 0
+
+
+def test_server_load_compares_each_request_with_plain_decoding():
+    """benchmarks/server_load.py: each request's latency over the same request's with
+    speculation off in the same repeat (the same client and place), pooled over the repeats,
+    failed requests left out; the share more than 5% slower and the ratio's p50 / p95, in
+    the printed row and the markdown table."""
+    load = _server_load()
+    plain = [
+        {"request_latencies": [[1.0, 1.0], [2.0, 2.0]]},
+        {"request_latencies": [[1.0, 1.0], [1.0, None]]},
+    ]
+    spec = [
+        {"request_latencies": [[0.5, 1.2], [2.0, None]]},  # 0.5, 1.2, 1.0
+        {"request_latencies": [[1.04, 0.8], [3.0, 1.0]]},  # 1.04, 0.8, 3.0 (and one unpaired)
+    ]
+    out = load.versus_plain(spec, plain)
+    assert out["slower_than_plain"] == pytest.approx(2 / 6)
+    assert out["plain_ratio_p50"] == pytest.approx(1.02)
+    assert out["plain_ratio_p95"] == pytest.approx(
+        np.percentile([0.5, 0.8, 1.0, 1.04, 1.2, 3.0], 95)
+    )
+    assert (
+        load.versus_plain([{"request_latencies": [[None]]}], [{"request_latencies": [[1.0]]}]) == {}
+    )
+    row = {
+        "mode": "ngram", "concurrency": 8, "requests": 6, "completion_tokens": 64,
+        "throughput_tokens_per_sec": 100.0, "per_stream_tokens_per_sec": 20.0,
+        "latency_p50_s": 1.0, "latency_p95_s": 2.0, "ttft_p50_ms": 10.0, "ttft_p95_ms": 20.0,
+        "acceptance_rate": 0.5, "errors": 0, **out,
+    }  # fmt: skip
+    assert "33% slower" in load._format(row)
+    assert "| 33% (" in load.summary({"results": [row]})
 
 
 def test_batch_engine_trace_splits_the_wall_time_and_the_reasons(capsys):
