@@ -181,6 +181,7 @@ async def run_load(
     errors = sum(1 for rs in results for r in rs if r.get("error"))
     # Per client, each request's latency in order (None: it failed): `versus_plain` pairs them.
     each = [[None if r.get("error") else r["latency"] for r in rs] for rs in results]
+    accepted = [[None if r.get("error") else r["acceptance"] for r in rs] for rs in results]
     latencies = [r["latency"] for r in done]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in done)
@@ -205,6 +206,7 @@ async def run_load(
             r["tokens"] / r["latency"] for r in done
         ) if done else 0.0,
         "request_latencies": each,
+        "request_acceptance": accepted,
     }  # fmt: skip
 
 
@@ -415,7 +417,8 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
                 row[key] = sum(r[key] for r in group)
             elif isinstance(value, (int, float)) and key not in row:
                 row[key] = statistics.median(r[key] for r in group)
-        row["request_latencies"] = [r["request_latencies"] for r in group]  # per repeat
+        for key in ("request_latencies", "request_acceptance"):  # per repeat, client, request
+            row[key] = [r[key] for r in group]
         if label != "none" and ("none", n) in runs:
             row.update(versus_plain(group, runs["none", n]))
         rows.append(row)
