@@ -179,9 +179,11 @@ async def run_load(
         wall = time.perf_counter() - tic
     done = [r for rs in results for r in rs if not r.get("error")]
     errors = sum(1 for rs in results for r in rs if r.get("error"))
-    # Per client, each request's latency in order (None: it failed): `versus_plain` pairs them.
-    each = [[None if r.get("error") else r["latency"] for r in rs] for rs in results]
-    accepted = [[None if r.get("error") else r["acceptance"] for r in rs] for rs in results]
+
+    def per_request(key: str) -> list[list]:
+        """Per client, each request's `key` in order (None: it failed; `versus_plain`)."""
+        return [[None if r.get("error") else r[key] for r in rs] for rs in results]
+
     latencies = [r["latency"] for r in done]
     ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in done)
@@ -205,8 +207,8 @@ async def run_load(
         "per_stream_tokens_per_sec": statistics.median(
             r["tokens"] / r["latency"] for r in done
         ) if done else 0.0,
-        "request_latencies": each,
-        "request_acceptance": accepted,
+        "request_latencies": per_request("latency"),
+        "request_acceptance": per_request("acceptance"),
     }  # fmt: skip
 
 
