@@ -26,7 +26,12 @@ the script reports:
   the same prompt and budget) in the same repeat with speculation off, pooled over the
   repeats: the share of requests more than 5% slower (`slower_than_plain`) and the ratio's
   p50 / p95 (`plain_ratio_p50`, `plain_ratio_p95`). Throughput and the latency percentiles
-  pool the users; this says whether speculation made some of them slower.
+  pool the users; this says whether speculation made some of them slower. Two runs of the
+  same requests differ without any speculation too (a shared machine's speed drifts from one
+  run to the next, and a request's latency with it), so plain decoding runs twice in every
+  repeat (`none` and `none-again`, in the rotation like any mode; `--no-plain-again` skips
+  the second) and `none-again`'s row holds the same comparison between them: the noise the
+  others' are read against.
 
 After the load rows come conversations (`--turns`, default 4; `--conversation-only` for them
 alone): each turn's prompt is the previous prompt + its reply + `--turn-tokens` new tokens of
@@ -395,6 +400,19 @@ def warm_up(url: str, body: dict, concurrency: list[int]) -> None:
         asyncio.run(run_load(url, n, 1, {**body, "max_tokens": 8}))
 
 
+def mode_configs(modes: list[str], url: str, body: dict, plain_again: bool = True) -> list:
+    """(label, url, request body) of each mode, and with `plain_again`, where a speculative
+    mode runs beside `none`, plain decoding a second time as `none-again` (the noise floor
+    of the per-request comparison; see the module's text)."""
+    configs = []
+    for mode in modes:
+        speculative = {"enabled": False} if mode == "none" else {"drafter": mode, "enabled": True}
+        configs.append((mode, url, {**body, "speculative": speculative}))
+    if plain_again and "none" in modes and len(set(modes)) > 1:
+        configs.append(("none-again", url, configs[modes.index("none")][2]))
+    return configs
+
+
 def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
     """The load rows of every (label, url, body) at every N: each repeat runs them all back to
     back in a rotated order; the medians over the repeats, each field on its own."""
@@ -499,6 +517,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument(
+        "--no-plain-again",
+        action="store_true",
+        help="run plain decoding once per repeat (by default twice where a speculative mode "
+        "runs too: 'none-again', whose comparison with 'none' request by request is the "
+        "noise the speculative modes' comparisons are read against)",
+    )
+    p.add_argument(
         "--peer-fast-math",
         action="store_true",
         help="give mlx_lm.server mlx-spec's CPU fast paths too (vectorized exp, fused RoPE and "
@@ -543,12 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         with contextlib.ExitStack() as stack:
             url = stack.enter_context(spec_server(args, slots))
-            configs = []
-            for mode in args.modes:
-                speculative = (
-                    {"enabled": False} if mode == "none" else {"drafter": mode, "enabled": True}
-                )
-                configs.append((mode, url, {**body, "speculative": speculative}))
+            configs = mode_configs(args.modes, url, body, not args.no_plain_again)
             if not args.no_peer:
                 peer_dir = float32_copy(Path(args.model), Path(tmp) / "peer")
                 peer_url = stack.enter_context(peer_server(peer_dir, args.peer_fast_math))
@@ -557,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
             print("medians over the repeats:", flush=True)
             for row in rows:
                 print(_format(row), flush=True)
-            if turns:
-                rows += measure_conversations(configs, turns, args.repeats)
+            if turns:  # (one conversation of plain decoding is enough)
+                talks = [c for c in configs if c[0] != "none-again"]
+                rows += measure_conversations(talks, turns, args.repeats)
     if not args.no_peer:
         print(_versus(rows), flush=True)
 
@@ -615,7 +636,7 @@ def summary(record: dict) -> str:
         base = peer.get(r["concurrency"])
         versus = f"{r['throughput_tokens_per_sec'] / base:.2f}x" if base else "-"
         steady = f"{r['steady_tokens_per_sec']:.1f}" if "steady_tokens_per_sec" in r else "-"
-        plain = r["mode"] in ("none", "mlx_lm.server")
+        plain = r["mode"] in ("none", "none-again", "mlx_lm.server")
         accept = "-" if plain else f"{r['acceptance_rate']:.2f}"
         slower = "-"
         if "slower_than_plain" in r:

@@ -16,7 +16,11 @@ run, a width never run at that batch size whose least possible cost (`_Costs.hop
 it the best, else a width near the best one whose own cost is least known.
 
 Rows with a fixed `num_draft` draft that many whatever K is; rows that may use several
-drafters (a group) take the one with the most expected tokens per cost each step. The choice
+drafters (a group) take the one with the most expected tokens per cost each step. Each row's
+E(k) is its drafter's scaled by how the row's own drafts fared (`RowRecord`; `_level`): the
+lookup keeps 14-25% of its drafts on one request and over 60% on the next (a request's text
+suits it or not, the same in every run), and priced at the drafter's acceptance over all
+rows, a batch counted on drafts its rows with little to look up would not keep. The choice
 depends on earlier steps only, so every row's output keeps the target's distribution.
 
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
@@ -44,7 +48,8 @@ now and then (`_Guard`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from mlx_spec.policy import _ema, chain_acceptance, count_round, expected_tokens
 
@@ -62,6 +67,11 @@ class RowAsk:
         available: per arm in `arms`, drafts it can have now (None: any number).
         backlog: per arm in `arms`, tokens its drafter must feed before drafting (piled up
             over plain steps); empty: none.
+        own: per arm in `arms`, the row's own (kept, reached) counts by draft position
+            (`count_round`), or None; empty: none. Its acceptance against the drafter's
+            over all rows sets its `levels`.
+        levels: set by the policy (`BatchDraftPolicy._prepare`): per arm, the row's
+            acceptance level (`_Gains.of`).
     """
 
     arms: list[int]
@@ -69,6 +79,63 @@ class RowAsk:
     limit: int = 0
     available: list[int | None] = field(default_factory=list)
     backlog: list[int] = field(default_factory=list)
+    own: list = field(default_factory=list)
+    levels: list[int] = field(default_factory=list)
+
+    def level(self, arm: int) -> int:
+        return self.levels[self.arms.index(arm)] if self.levels else 0
+
+    def narrowed(self, arm: int) -> RowAsk:
+        """The ask with drafter `arm` alone."""
+        i = self.arms.index(arm)
+        avail = [self.available[i]]
+        backlog = [self.backlog[i]] if self.backlog else []
+        levels = [self.levels[i]] if self.levels else []
+        return replace(self, arms=[arm], available=avail, backlog=backlog, levels=levels)
+
+
+@dataclass
+class RowRecord:
+    """A row's own acceptance, for its asks (`RowAsk.own`): per drafter, its (kept, reached)
+    counts by draft position."""
+
+    own: dict = field(default_factory=dict)
+
+    def drafted(self, arm: int, asked: int, accepted: int) -> None:
+        """The row asked drafter `arm` for `asked` drafts and kept `accepted`."""
+        hits, trials = self.own.setdefault(arm, ([], []))
+        if len(trials) < asked:
+            hits += [0.0] * (asked - len(hits))
+            trials += [0.0] * (asked - len(trials))
+        count_round(hits, trials, asked, accepted)
+
+    def ask(self, arms: list[int], fixed, limit: int, available: list, backlog: list) -> RowAsk:
+        own = [self.own.get(a) for a in arms]
+        return RowAsk(arms, fixed, limit, available, backlog, own)
+
+
+LEVELS = 4  # acceptance levels per doubling (`_Gains.of`)
+
+
+class _Gains(list):
+    """E(k) for k = 0..max_draft per arm (`gains[arm][k]`), and `of(arm, level)`: the same
+    for a row whose acceptance at every position is the arm's times 2^(level / LEVELS) (at
+    most 0.98)."""
+
+    def __init__(self, acceptance: list[list[float]], max_draft: int):
+        super().__init__([expected_tokens(a, k) for k in range(max_draft + 1)] for a in acceptance)
+        self.acceptance = acceptance
+        self._scaled: dict[tuple[int, int], list[float]] = {}
+
+    def of(self, arm: int, level: int = 0) -> list[float]:
+        if not level:
+            return self[arm]
+        key = (arm, level)
+        if key not in self._scaled:
+            scale = 2.0 ** (level / LEVELS)
+            accept = [min(0.98, a * scale) for a in self.acceptance[arm]]
+            self._scaled[key] = [expected_tokens(accept, k) for k in range(len(self[arm]))]
+        return self._scaled[key]
 
 
 class _Merged:
@@ -84,7 +151,7 @@ class _Merged:
         self.of_row: list[int] = []
         index: dict[tuple, int] = {}
         for ask in asks:
-            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available))
+            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available), *ask.levels)
             i = index.setdefault(key, len(self.distinct))
             if i == len(self.distinct):
                 self.distinct.append(ask)
@@ -103,11 +170,11 @@ class _Merged:
         """As `BatchDraftPolicy.shape` of the plan's rows."""
         return (self.size, *BatchDraftPolicy.shape(plan)[1:])
 
-    def tokens(self, plan: list, gains) -> float:
-        """The tokens the plan's rows emit with E(k) `gains[arm][k]`."""
+    def tokens(self, plan: list, gains: _Gains) -> float:
+        """The tokens the plan's rows emit with E(k) `gains`."""
         return sum(
-            count * (1.0 if arm is None else gains[arm][k])
-            for (arm, k), count in zip(plan, self.counts, strict=True)
+            count * (1.0 if arm is None else gains.of(arm, ask.level(arm))[k])
+            for (arm, k), count, ask in zip(plan, self.counts, self.distinct, strict=True)
         )
 
     def catch_up(self, plan: list) -> int:
@@ -133,9 +200,18 @@ def _without(ask: RowAsk, barred: int) -> RowAsk:
     if not any(barred >> arm & 1 for arm in ask.arms):
         return ask
     keep = [i for i, arm in enumerate(ask.arms) if not barred >> arm & 1]
-    available = [ask.available[i] for i in keep] if ask.available else []
-    backlog = [ask.backlog[i] for i in keep] if ask.backlog else []
-    return RowAsk([ask.arms[i] for i in keep], ask.fixed, ask.limit, available, backlog)
+
+    def kept(values: list) -> list:
+        return [values[i] for i in keep] if values else []
+
+    return replace(
+        ask,
+        arms=kept(ask.arms),
+        available=kept(ask.available),
+        backlog=kept(ask.backlog),
+        own=kept(ask.own),
+        levels=kept(ask.levels),
+    )
 
 
 class _Costs:
@@ -548,6 +624,10 @@ class BatchDraftPolicy:
             steps only (the others repeat its answer): speculation grows no likelier as its
             catch-up piles up and the rows' budgets shrink, and weighing every K of every
             drafter each step costs the host time a CPU's passes share.
+        own_weight: a row's acceptance level for a drafter (`_level`) is its kept drafts
+            against what the drafter's acceptance over all rows expects of the positions it
+            reached, each side with this many pseudo-drafts kept as expected (0: every row
+            at the drafter's acceptance).
 
     The search over K stops past best + 1 at a K whose best plan promises under
     `stop_below` (0.85) of the best rate, and never goes beyond what a row can draft.
@@ -576,6 +656,7 @@ class BatchDraftPolicy:
         join_budget: float = 0.03,
         alone=(),
         chained=(),
+        own_weight: float = 2.0,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         self.hits = [[0.0] * max_draft for _ in arms]
@@ -614,6 +695,7 @@ class BatchDraftPolicy:
         # and the run since the last catch-up ([drafters, steps]) (`_horizon`).
         self._served: dict[tuple, tuple[float, float]] = {}
         self._serving: list | None = None
+        self.own_weight = own_weight
 
     # --- estimates ---------------------------------------------------------------------------
 
@@ -667,25 +749,26 @@ class BatchDraftPolicy:
         choice, gain, score = (None, 0), 1.0, 0.0
         target = ask.fixed if ask.fixed is not None else big_k
         if only is not None and len(ask.arms) > 1 and only in ask.arms:
-            ask = RowAsk([only], ask.fixed, ask.limit, [ask.available[ask.arms.index(only)]])
+            ask = ask.narrowed(only)
         if force is not None and force in ask.arms:
             avail = ask.available[ask.arms.index(force)]
             if min(target, ask.limit, self.max_draft if avail is None else avail) > 0:
-                ask = RowAsk([force], ask.fixed, ask.limit, [avail], [])
+                ask = ask.narrowed(force)
         for arm, avail in zip(ask.arms, ask.available, strict=True):
             k = min(target, ask.limit, self.max_draft if avail is None else avail)
             if k <= 0:
                 continue
-            g = gains[arm][k]
+            g = gains.of(arm, ask.level(arm))[k]
             s = g / self.costs.seconds(batch, k, (arm,)) if len(ask.arms) > 1 else g
             if choice[0] is None or s > score:
                 choice, gain, score = (arm, k), g, s
         return choice, gain
 
-    def _gains(self, hopeful: bool = False) -> list[list[float]]:
-        """E(k) for k = 0..max_draft, per arm; `hopeful`: for an arm with fewer than `thin`
-        rounds behind it, from each position's acceptance plus 1 / sqrt(rounds that reached
-        it + the prior's weight), at most 0.95 (what a few unlucky rounds may hide)."""
+    def _gains(self, hopeful: bool = False) -> _Gains:
+        """E(k) for k = 0..max_draft, per arm (and acceptance level: `_Gains`); `hopeful`:
+        for an arm with fewer than `thin` rounds behind it, from each position's acceptance
+        plus 1 / sqrt(rounds that reached it + the prior's weight), at most 0.95 (what a few
+        unlucky rounds may hide)."""
         out = []
         for arm in range(len(self.arms)):
             acceptance = self.acceptance(arm)
@@ -694,8 +777,27 @@ class BatchDraftPolicy:
                     max(a, min(0.95, a + (t + self.prior_weight) ** -0.5))
                     for a, t in zip(acceptance, self.trials[arm], strict=True)
                 ]
-            out.append([expected_tokens(acceptance, k) for k in range(self.max_draft + 1)])
-        return out
+            out.append(acceptance)
+        return _Gains(out, self.max_draft)
+
+    def _level(self, arm: int, own) -> int:
+        """A row's acceptance level for drafter `arm` (`_Gains.of`) from its own counts
+        (`RowAsk.own`): its kept drafts against what the drafter's acceptance over all rows
+        expects of the positions it reached, behind `own_weight` pseudo-drafts kept as
+        expected; their ratio rounded to `LEVELS` steps per doubling (rows alike then ask
+        alike and merge: `_Merged`), from an eighth to twice."""
+        if own is None or not self.own_weight:
+            return 0
+        hits, trials = own
+        expected = sum(t * a for t, a in zip(trials, self.acceptance(arm), strict=False))
+        ratio = (sum(hits) + self.own_weight) / (expected + self.own_weight)
+        return int(max(-3 * LEVELS, min(LEVELS, round(LEVELS * math.log2(ratio)))))
+
+    def _prepare(self, asks: list[RowAsk]) -> None:
+        """Each row's acceptance levels (`RowAsk.levels`)."""
+        for ask in asks:
+            if ask.own:
+                ask.levels = [self._level(a, own) for a, own in zip(ask.arms, ask.own, strict=True)]
 
     @staticmethod
     def catch_up(asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int:
@@ -774,6 +876,7 @@ class BatchDraftPolicy:
         return tuple(sorted(offered))
 
     def choose(self, asks: list[RowAsk]) -> BatchChoice:
+        self._prepare(asks)
         self._offered = {arm for ask in asks for arm in ask.arms}
         free = all(ask.fixed is None for ask in asks) and any(ask.arms for ask in asks)
         window = None
@@ -984,6 +1087,7 @@ class BatchDraftPolicy:
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
+        self._prepare(asks)
         if choice.window:
             asks = [_without(ask, choice.window) for ask in asks]
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]

@@ -37,7 +37,7 @@ from mlx_spec import distributed
 from mlx_spec.api import OutputCutter
 from mlx_spec.batch_cache import BatchCache
 from mlx_spec.batch_drafters import BatchDrafter, DraftBlock
-from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
+from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowRecord
 from mlx_spec.batch_sampling import (
     RowRandom,
     batch_probs,
@@ -128,6 +128,7 @@ class _Row:
     hidden: list = field(default_factory=list)  # its features, in order (`features`)
     skipped: list = field(default_factory=list)  # model drafters it left out at joining
     produced: int = 0
+    record: RowRecord = field(default_factory=RowRecord)  # its own acceptance
     first_pending: bool = False  # joined the batch before its first token (`_join_direct`)
     done: bool = False
     cancelled: bool = False
@@ -748,7 +749,8 @@ class BatchEngine:
             limit = 0  # row's draws are the same whether its prompt was cached or not
         drafters = [self.drafters[self.names[a]] for a in row.arms]
         available = [d.available(row.id, limit) for d in drafters]
-        return RowAsk(row.arms, fixed, limit, available, [d.backlog(row.id) for d in drafters])
+        backlog = [d.backlog(row.id) for d in drafters]
+        return row.record.ask(row.arms, fixed, limit, available, backlog)
 
     def _decode(self) -> None:
         self._join_late()
@@ -937,6 +939,9 @@ class BatchEngine:
             keep = self._emit(row, emitted, counts[i], n, rows_hidden)
             targets[i] += keep - (1 + counts[i])  # the pass fed last + drafts; keep `keep`
             outcomes.append((counts[i], min(n, keep - 1)))
+            arm, asked = choice.rows[i]
+            if arm is not None and asked > 0:
+                row.record.drafted(arm, asked, outcomes[-1][1])
         self.cache.truncate(targets)
         self.cache.tidy()  # columns before rows' tokens, squeezed out once they are many
         # Timed like a plain step: from the last step settled (the choice, the rows' asks and

@@ -1670,3 +1670,26 @@ def test_a_mixed_sets_hope_counts_its_chained_drafters_passes():
     assert costs.hope(4, 6, (0, 1)) >= 10e-3 + 6 * 2e-3
     costs.observe_drafting(4, 1, (0, 1), 1e-3)  # the set's own measure stands where it has one
     assert costs.draft_seconds(4, (0, 1)) == pytest.approx(1e-3)
+
+
+def test_a_rows_own_acceptance_sets_its_level_and_rows_alike_merge():
+    """A row that kept few of its drafts is planned with less acceptance than the drafter's
+    over all rows (and one that kept many with more), shrunk towards it while its counts
+    are few; rows at the same level merge into one ask."""
+    from mlx_spec.batch_policy import RowRecord, _Merged
+
+    policy = BatchDraftPolicy(["ngram"])
+    for _ in range(30):  # the lookup keeps half its drafts over all rows
+        policy.observe([(0, 2)] * 2, [(2, 2), (2, 0)], 1e-2)
+    low, high, fresh, early = RowRecord(), RowRecord(), RowRecord(), RowRecord()
+    for _ in range(10):
+        low.drafted(0, 2, 0)
+        high.drafted(0, 2, 2)
+    early.drafted(0, 2, 0)
+    asks = [r.ask([0], None, 8, [None], [0]) for r in (low, high, fresh, fresh, early)]
+    policy._prepare(asks)
+    levels = [a.levels[0] for a in asks]
+    assert levels[0] < levels[4] < 0 == levels[2] == levels[3] < levels[1], levels
+    gains = policy._gains()
+    assert gains.of(0, levels[0])[2] < gains[0][2] < gains.of(0, levels[1])[2]
+    assert len(_Merged(asks).distinct) == 4

@@ -306,6 +306,21 @@ def test_server_load_budgets_and_steady_tokens():
     assert load._tokens_before(done, 0.5) == 0
 
 
+def test_server_load_runs_plain_decoding_twice_for_the_noise_floor():
+    """benchmarks/server_load.py: beside speculative modes, plain decoding runs a second time
+    (`none-again`, the same requests), whose per-request comparison with `none` is the noise
+    the speculative modes' are read against; not with plain decoding alone, nor when asked
+    not to."""
+    load = _server_load()
+    body = {"max_tokens": 8}
+    configs = load.mode_configs(["none", "ngram"], "u", body)
+    assert [c[0] for c in configs] == ["none", "ngram", "none-again"]
+    assert configs[2][2] == configs[0][2] == {**body, "speculative": {"enabled": False}}
+    assert configs[1][2]["speculative"] == {"drafter": "ngram", "enabled": True}
+    assert [c[0] for c in load.mode_configs(["none"], "u", body)] == ["none"]
+    assert [c[0] for c in load.mode_configs(["none", "all"], "u", body, False)] == ["none", "all"]
+
+
 def test_server_load_compares_each_request_with_plain_decoding():
     """benchmarks/server_load.py: each request's latency over the same request's with
     speculation off in the same repeat (the same client and place), pooled over the repeats,
