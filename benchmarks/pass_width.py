@@ -13,8 +13,15 @@ projected at one position, the argmax taken. Then, for each `--acceptance` a of 
 most a speculative step verifying one MTP draft per row can emit per second over a plain step,
 if nothing but its two passes cost time: (1 + a) P(1) / (P(2) + D).
 
+With `--overhead`, the same passes also run through a copy of the model's architecture with
+its widths shrunk (8 dimensions a head, an MLP of 16, random weights; the same layers, heads,
+vocabulary and cache): its passes do next to no arithmetic, so their time is what a pass
+costs whatever its weights, building its graph and running its ops one by one; each is
+printed with its share of the model's own pass.
+
 Examples:
     python benchmarks/pass_width.py                  # the embedded pair's target, B = 8
+    python benchmarks/pass_width.py --overhead --rows 1 8 --widths 1 4
     python benchmarks/pass_width.py --rows 1 4 8 --widths 1 2 4 8 --model ./target
     python benchmarks/pass_width.py --drafter --acceptance 0.7 0.8
 """
@@ -22,15 +29,18 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
 from mlx_spec.batch_cache import BatchCache
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes
 
 
 def ours(model, prefix: mx.array, n: int):
@@ -112,6 +122,22 @@ def mtp_draft(model_dir: str, model, prefix: mx.array):
     return run
 
 
+def shrunk(model_dir: str):
+    """The model's architecture with its widths shrunk (see the module's text), random
+    weights in float32."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_attention_heads", 1)
+    config.update(hidden_size=8 * heads, intermediate_size=16)
+    if "head_dim" in config:
+        config["head_dim"] = 8
+    config.pop("quantization", None)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="target MLX directory (default: the embedded pair's target)")
@@ -120,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=100, help="prefix tokens per row")
     p.add_argument("--reps", type=int, default=40, help="passes per measurement (median)")
     p.add_argument("--drafter", action="store_true", help="also time the MTP head's draft pass")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="also time the passes of the architecture with its widths shrunk (what a pass "
+        "costs whatever its weights)",
+    )
     p.add_argument(
         "--acceptance", type=float, nargs="+", default=[0.7, 0.8],
         help="acceptance of one draft for the bound (with --drafter)",
@@ -132,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(converted_pair()[0])
     model, _ = mlx_spec.load(args.model)
+    small = shrunk(args.model) if args.overhead else None
     print(f"{args.model}, {mx.default_device()}, context {args.context}: ms per pass")
     for b in args.rows:
         prefix = mx.random.randint(0, 1000, (b, args.context)).astype(mx.uint32)
@@ -139,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, make in (("BatchCache", ours), ("mlx-lm KVCache", theirs)):
             for n in args.widths:
                 timers[name, n] = make(model, prefix, n)
+        if small is not None:
+            for n in args.widths:
+                timers["shrunk", n] = ours(small, prefix, n)
         if args.drafter:
             timers["MTP draft", 0] = mtp_draft(args.model, model, prefix)
         times = {key: [] for key in timers}
@@ -154,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("BatchCache", "mlx-lm KVCache"):
             cells = "  ".join(f"n={n}: {ms[name, n]:.1f}" for n in args.widths)
             print(f"B={b:<2} {name:>14}  {cells}", flush=True)
+        if small is not None:
+            cells = "  ".join(
+                f"n={n}: {ms['shrunk', n]:.1f} ({ms['shrunk', n] / ms['BatchCache', n]:.0%})"
+                for n in args.widths
+            )
+            print(f"B={b:<2} {'widths shrunk':>14}  {cells}", flush=True)
         if args.drafter:
             draft = ms["MTP draft", 0]
             plain, verify = ms["BatchCache", 1], ms["BatchCache", 2]

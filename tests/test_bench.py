@@ -379,3 +379,26 @@ def test_batch_engine_trace_splits_the_wall_time_and_the_reasons(capsys):
     assert reasons["explore"]["catching_up"] == pytest.approx(0.4)
     printed = capsys.readouterr().out
     assert "explore  40%" in printed and "catching up  40%" in printed
+
+
+def test_pass_width_shrinks_the_architecture_to_time_its_overhead(tmp_path):
+    """benchmarks/pass_width.py --overhead: the model's architecture (its layers, heads,
+    vocabulary, cache) with 8 dimensions a head and an MLP of 16, random float32 weights,
+    runs the same batched passes as the model (what a pass costs whatever its weights)."""
+    from mlx_spec.batch_cache import BatchCache
+
+    import mlx.core as mx
+    import tinymodels as tm
+    from mlx.utils import tree_flatten
+
+    config = tm.llama_config(tm.tokenizer_size(), num_hidden_layers=3, head_dim=8)
+    tm.write_checkpoint(tmp_path, config, tm.random_weights(config, seed=0))
+    small = _benchmark("pass_width").shrunk(str(tmp_path))
+    assert len(small.layers) == 3 and small.args.hidden_size == 8 * 4
+    assert small.args.intermediate_size == 16 and small.args.vocab_size == tm.tokenizer_size()
+    assert all(p.dtype == mx.float32 for _, p in tree_flatten(small.parameters()))
+    cache = BatchCache(small, 2)
+    cache.begin([3, 3])
+    logits = small(mx.zeros((2, 3), mx.uint32), cache=cache.layers)
+    cache.end([3, 3])
+    assert logits.shape == (2, 3, tm.tokenizer_size())
