@@ -90,8 +90,9 @@ class RowAsk:
         i = self.arms.index(arm)
         avail = [self.available[i]]
         backlog = [self.backlog[i]] if self.backlog else []
+        own = [self.own[i]] if self.own else []
         levels = [self.levels[i]] if self.levels else []
-        return replace(self, arms=[arm], available=avail, backlog=backlog, levels=levels)
+        return replace(self, arms=[arm], available=avail, backlog=backlog, own=own, levels=levels)
 
 
 @dataclass
