@@ -781,24 +781,33 @@ class BatchDraftPolicy:
             out.append(acceptance)
         return _Gains(out, self.max_draft)
 
-    def _level(self, arm: int, own) -> int:
-        """A row's acceptance level for drafter `arm` (`_Gains.of`) from its own counts
+    def _level(self, own, acceptance: list[float]) -> int:
+        """A row's acceptance level for a drafter (`_Gains.of`) from its own counts
         (`RowAsk.own`): its kept drafts against what the drafter's acceptance over all rows
-        expects of the positions it reached, behind `own_weight` pseudo-drafts kept as
-        expected; their ratio rounded to `LEVELS` steps per doubling (rows alike then ask
-        alike and merge: `_Merged`), from an eighth to twice."""
-        if own is None or not self.own_weight:
+        (`acceptance`, by position) expects of the positions it reached, behind
+        `own_weight` pseudo-drafts kept as expected; their ratio rounded to `LEVELS` steps
+        per doubling (rows alike then ask alike and merge: `_Merged`), from an eighth to
+        twice."""
+        if not self.own_weight:
             return 0
         hits, trials = own
-        expected = sum(t * a for t, a in zip(trials, self.acceptance(arm), strict=False))
+        expected = sum(t * a for t, a in zip(trials, acceptance, strict=False))
         ratio = (sum(hits) + self.own_weight) / (expected + self.own_weight)
         return int(max(-3 * LEVELS, min(LEVELS, round(LEVELS * math.log2(ratio)))))
 
     def _prepare(self, asks: list[RowAsk]) -> None:
-        """Each row's acceptance levels (`RowAsk.levels`)."""
+        """Each row's acceptance levels (`RowAsk.levels`); each drafter's acceptance is
+        worked out once for all the rows."""
+        acceptance: dict[int, list[float]] = {}
         for ask in asks:
-            if ask.own:
-                ask.levels = [self._level(a, own) for a, own in zip(ask.arms, ask.own, strict=True)]
+            if not ask.own:
+                continue
+            levels = []
+            for arm, own in zip(ask.arms, ask.own, strict=True):
+                if own is not None and arm not in acceptance:
+                    acceptance[arm] = self.acceptance(arm)
+                levels.append(0 if own is None else self._level(own, acceptance[arm]))
+            ask.levels = levels
 
     @staticmethod
     def catch_up(asks: list[RowAsk], rows: list[tuple[int | None, int]]) -> int:
