@@ -1267,6 +1267,96 @@ def test_the_guard_watches_a_lone_rows_model_drafter_whose_joins_cost_more_than_
     assert unguarded > 0.15 and watched > 0.99 * unguarded and joins == 60
 
 
+def _lone_mtp_user(policy: BatchDraftPolicy, seed: int, early=0.4, late=0.85) -> tuple:
+    """A lone user's 24 requests of 64 tokens each with an MTP head whose join is cheap (3 ms
+    for an 80-token prompt) and whose drafts are each kept with probability `early` over a
+    request's first 16 tokens, `late` after (a generation's opening is hard to guess); a
+    plain step 10 ms (0.1 tokens/ms), a speculative one 11 ms + 4 ms a draft (drafting two
+    throughout at 0.4 then 0.85: about 0.116 tokens/ms). The row's own record
+    (`RowRecord`) gives its asks their levels, as the engine's rows do. Returns the tokens
+    per ms over the last 12 requests and the requests that joined."""
+    from mlx_spec.batch_policy import RowRecord
+
+    rng, tokens, ms, joins = random.Random(seed), 0, 0.0, 0
+    for request in range(24):
+        if request == 12:
+            tokens, ms = 0, 0.0
+        has, record, joined = policy.join_pays(0, 1, True, 80, 64.0), RowRecord(), None
+        if has:
+            joins, ms, joined = joins + 1, ms + 3.0, {0: 3e-3}
+            policy.observe_join(0, 80, 3e-3)
+        done = 0
+        while done < 64:
+            limit = min(8, 63 - done)
+            ask = record.ask([0], None, limit, [None], [0]) if has else RowAsk([], None, 0, [])
+            choice = policy.choose([ask])
+            outcomes = outcomes_of(choice.rows, rng, early if done < 16 else late)
+            if choice.num_draft:
+                record.drafted(0, choice.rows[0][1], outcomes[0][1])
+            cost = 10 + (1 + 4 * choice.num_draft if choice.num_draft else 0)
+            tokens, done = tokens + 1 + outcomes[0][1], done + 1 + outcomes[0][1]
+            ms += cost
+            policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window, joined=joined)
+            joined = None
+    return tokens / ms, joins
+
+
+def test_a_lone_rows_trivially_cheap_drafter_stays_joined_through_hard_openings():
+    """A lone user's MTP head, cheap to join and drafting well but for each request's
+    opening: the first requests' openings priced it as a loss, the guard's verdict read a
+    loss, and every later request was turned away from it (0.1 tokens/ms: plain decoding,
+    where drafting two a step throughout gives about 0.116). A join within a third of
+    `join_budget` is always taken, and the row's record of its own rounds weighs the
+    recent ones most, so that the policy drafts where the text lets the head guess:
+    over 1.1x of plain decoding at every seed. A drafter that never guesses well costs
+    the user its joins and probes, under 2%; one that always does, drafts throughout."""
+    for seed in range(4):
+        rate, joins = _lone_mtp_user(BatchDraftPolicy(["mtp"], alone={0}), seed)
+        assert rate > 0.11 and joins == 24, (seed, rate, joins)
+        bad, _ = _lone_mtp_user(BatchDraftPolicy(["mtp"], alone={0}), seed, 0.3, 0.3)
+        assert bad > 0.098, (seed, bad)
+        good, _ = _lone_mtp_user(BatchDraftPolicy(["mtp"], alone={0}), seed, 0.85, 0.85)
+        assert good > 0.125, (seed, good)
+
+
+def test_only_a_trivially_cheap_join_is_taken_against_the_guard():
+    """A join within a third of `join_budget` is taken whatever the guard's verdict and
+    however little the policy drafted with the drafter at that size; a dearer one (within
+    the budget) is still turned away there."""
+    policy = BatchDraftPolicy(["mtp"], alone={0}, join_budget=0.03)
+    policy.observe_join(0, 100, 5.0)  # the first: compiling
+    policy.observe_join(0, 100, 0.002)  # 20 us a token
+    for _ in range(40):  # a lone row that could draft with it, plain steps only: 10 ms
+        policy.observe([(0, 0)], [(0, 0)], 0.01)
+    policy.guard.rates[1, 0, True] = [5.0, 1.0, 20.0]  # its steps realised half as much
+    policy.guard.rates[1, 0, False] = [10.0, 1.0, 20.0]
+    # 200 tokens x 20 us = 4 ms: 0.6% of 64 plain steps; 600 tokens: 1.9%, within 3%
+    assert policy.join_pays(0, 1, probe=False, tokens=200, life=64)
+    assert policy._cheap(0, 1, 600, 64) and not policy._cheap(0, 1, 600, 64, 0.01)
+    assert not policy.join_pays(0, 1, probe=False, tokens=600, life=64)
+
+
+def test_a_rows_record_weighs_its_recent_rounds_most():
+    """A row whose first rounds kept nothing and whose last ones kept everything stands
+    above the drafter's acceptance: its record weighs each round `RowRecord.DECAY` times
+    the next."""
+    from mlx_spec.batch_policy import RowRecord
+
+    policy = BatchDraftPolicy(["mtp"])
+    for _ in range(30):  # the head keeps half its drafts over all rows
+        policy.observe([(0, 2)] * 2, [(2, 2), (2, 0)], 1e-2)
+    turned, steady = RowRecord(), RowRecord()
+    for kept in [0] * 6 + [2] * 6:
+        turned.drafted(0, 2, kept)
+    for kept in [2, 0] * 6:
+        steady.drafted(0, 2, kept)
+    hits, trials = turned.own[0]
+    assert trials[0] == pytest.approx(sum(RowRecord.DECAY**i for i in range(12)))
+    asks = [r.ask([0], None, 8, [None], [0]) for r in (turned, steady)]
+    policy._prepare(asks)
+    assert asks[0].levels[0] > 0 and abs(asks[1].levels[0]) <= 1, [a.levels for a in asks]
+
+
 def test_the_guard_leaves_out_a_shapes_first_step_that_built_its_kernels():
     """A speculative shape's first step costing far over its price (MLX building kernels on
     a GPU) counts for neither the step costs nor the guard: the next step of the shape
