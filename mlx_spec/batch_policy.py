@@ -99,9 +99,9 @@ class RowAsk:
 class RowRecord:
     """A row's own acceptance, for its asks (`RowAsk.own`): per drafter, its (kept, reached)
     counts by draft position, each round weighing `DECAY` times the next: what a row's text
-    lets a drafter guess changes within a request (on the embedded pair the MTP head kept
-    about 40% of its drafts over a generation's first 24 tokens, 80-90% after), and a level
-    set by its first rounds held the row to them long after."""
+    lets a drafter guess changes within a request (the embedded pair's MTP head keeps far
+    fewer of its drafts over a generation's opening than after it), and a level set by its
+    first rounds held the row to them long after."""
 
     own: dict = field(default_factory=dict)
 
@@ -1122,10 +1122,10 @@ class BatchDraftPolicy:
         - Where the join costs, for as many rows as the batch holds, at most a third of
           `join_budget` of the plain time of the row's expected life (`_cheap`): always. It
           keeps the drafter at hand for the policy and the guard to use step by step, which
-          a row turned away at its start never is: a lone user's MTP head (a join about
-          0.7% of a request's plain time on a 2-core CPU), judged by the hard openings of
-          the first requests' text, was turned away from every later request (0.97-1.00x
-          of plain decoding, where drafting two a step throughout gave 1.09-1.18x).
+          a row turned away at its start never is: a lone user's MTP head (one layer over
+          the prompt to join), judged by the hard openings of the first requests' text, was
+          turned away from every later request (0.97-1.05x of plain decoding on a 2-core
+          CPU, where drafting two a step throughout gave 1.09-1.18x).
         - Where the guard has measured, at that size, the steps with the drafter allowed
           against those with it barred: whether they realised at least as much (their joins
           counted) and the policy drafted with it in at least `min_share` of its recent
