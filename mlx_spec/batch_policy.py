@@ -87,12 +87,22 @@ class RowAsk:
 
     def narrowed(self, arm: int) -> RowAsk:
         """The ask with drafter `arm` alone."""
-        i = self.arms.index(arm)
-        avail = [self.available[i]]
-        backlog = [self.backlog[i]] if self.backlog else []
-        own = [self.own[i]] if self.own else []
-        levels = [self.levels[i]] if self.levels else []
-        return replace(self, arms=[arm], available=avail, backlog=backlog, own=own, levels=levels)
+        return self.keeping([self.arms.index(arm)])
+
+    def keeping(self, indices: list[int]) -> RowAsk:
+        """The ask with the drafters at `indices` of `arms` alone."""
+
+        def kept(values: list) -> list:
+            return [values[i] for i in indices] if values else []
+
+        return replace(
+            self,
+            arms=kept(self.arms),
+            available=kept(self.available),
+            backlog=kept(self.backlog),
+            own=kept(self.own),
+            levels=kept(self.levels),
+        )
 
 
 @dataclass
@@ -207,19 +217,7 @@ def _without(ask: RowAsk, barred: int) -> RowAsk:
     """The ask with the drafters in `barred` (a bitmask) left out."""
     if not any(barred >> arm & 1 for arm in ask.arms):
         return ask
-    keep = [i for i, arm in enumerate(ask.arms) if not barred >> arm & 1]
-
-    def kept(values: list) -> list:
-        return [values[i] for i in keep] if values else []
-
-    return replace(
-        ask,
-        arms=kept(ask.arms),
-        available=kept(ask.available),
-        backlog=kept(ask.backlog),
-        own=kept(ask.own),
-        levels=kept(ask.levels),
-    )
+    return ask.keeping([i for i, arm in enumerate(ask.arms) if not barred >> arm & 1])
 
 
 class _Costs:

@@ -1225,27 +1225,51 @@ def test_the_guard_charges_joins_to_their_drafter_and_stands_aside_for_a_lone_ro
     assert not watched.join_pays(1, 1, probe=False)
 
 
-def _lone_user(policy: BatchDraftPolicy, join_ms: float, requests: int = 60) -> tuple:
+def _lone_user(
+    policy: BatchDraftPolicy,
+    join_ms: float,
+    requests: int = 60,
+    *,
+    seed: int = 4,
+    accept: tuple[float, float] = (0.8, 0.8),
+    per_draft: float = 2.0,
+    own: bool = False,
+    measured_from: int = 0,
+) -> tuple:
     """A lone user's `requests` of 64 tokens each: a plain step 10 ms (0.1 tokens/ms); a
-    speculative one 11 ms + 2 ms a draft, each draft kept with probability 0.8 (K = 2:
-    about 2.4 tokens in 15 ms, 0.16 tokens/ms); a request whose row joins the model drafter
-    (where `join_pays`) pays `join_ms` to feed it the prompt, a cost no step shows. Returns
-    the tokens per ms and the requests that joined."""
-    rng, tokens, ms, joins = random.Random(4), 0, 0.0, 0
-    for _ in range(requests):
-        has = policy.join_pays(0, 1, True, 80, 64.0)
-        joined = None
+    speculative one 11 ms + `per_draft` ms a draft, each draft kept with probability
+    `accept[0]` over a request's first 16 tokens and `accept[1]` after (by default 0.8
+    throughout: K = 2 about 2.4 tokens in 15 ms, 0.16 tokens/ms); a request whose row joins
+    the model drafter (where `join_pays`) pays `join_ms` to feed it an 80-token prompt, a
+    cost no step shows. With `own`, the row's record of its rounds (`RowRecord`) gives its
+    asks their levels, as the engine's rows do. Returns the tokens per ms of the requests
+    from `measured_from` on and the requests that joined."""
+    from mlx_spec.batch_policy import RowRecord
+
+    rng, tokens, ms, joins = random.Random(seed), 0, 0.0, 0
+    for request in range(requests):
+        if request == measured_from:
+            tokens, ms = 0, 0.0
+        has, record, joined = policy.join_pays(0, 1, True, 80, 64.0), RowRecord(), None
         if has:
             joins, ms, joined = joins + 1, ms + join_ms, {0: join_ms / 1e3}
             policy.observe_join(0, 80, join_ms / 1e3)
-        left = 64
-        while left > 0:
-            ask = RowAsk([0], None, min(8, left - 1), [None]) if has else RowAsk([], None, 0, [])
+        done = 0
+        while done < 64:
+            limit = min(8, 63 - done)
+            if not has:
+                ask = RowAsk([], None, 0, [])
+            elif own:
+                ask = record.ask([0], None, limit, [None], [0])
+            else:
+                ask = RowAsk([0], None, limit, [None])
             choice = policy.choose([ask])
-            outcomes = outcomes_of(choice.rows, rng, 0.8)
-            cost = 10 + (1 + 2 * choice.num_draft if choice.num_draft else 0)
-            tokens += 1 + outcomes[0][1]
-            left, ms = left - 1 - outcomes[0][1], ms + cost
+            outcomes = outcomes_of(choice.rows, rng, accept[0] if done < 16 else accept[1])
+            if own and choice.num_draft:
+                record.drafted(0, choice.rows[0][1], outcomes[0][1])
+            cost = 10 + (1 + per_draft * choice.num_draft if choice.num_draft else 0)
+            tokens, done = tokens + 1 + outcomes[0][1], done + 1 + outcomes[0][1]
+            ms += cost
             policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window, joined=joined)
             joined = None
     return tokens / ms, joins
@@ -1268,37 +1292,15 @@ def test_the_guard_watches_a_lone_rows_model_drafter_whose_joins_cost_more_than_
 
 
 def _lone_mtp_user(policy: BatchDraftPolicy, seed: int, early=0.4, late=0.85) -> tuple:
-    """A lone user's 24 requests of 64 tokens each with an MTP head whose join is cheap (3 ms
-    for an 80-token prompt) and whose drafts are each kept with probability `early` over a
-    request's first 16 tokens, `late` after (a generation's opening is hard to guess); a
-    plain step 10 ms (0.1 tokens/ms), a speculative one 11 ms + 4 ms a draft (drafting two
-    throughout at 0.4 then 0.85: about 0.116 tokens/ms). The row's own record
-    (`RowRecord`) gives its asks their levels, as the engine's rows do. Returns the tokens
-    per ms over the last 12 requests and the requests that joined."""
-    from mlx_spec.batch_policy import RowRecord
-
-    rng, tokens, ms, joins = random.Random(seed), 0, 0.0, 0
-    for request in range(24):
-        if request == 12:
-            tokens, ms = 0, 0.0
-        has, record, joined = policy.join_pays(0, 1, True, 80, 64.0), RowRecord(), None
-        if has:
-            joins, ms, joined = joins + 1, ms + 3.0, {0: 3e-3}
-            policy.observe_join(0, 80, 3e-3)
-        done = 0
-        while done < 64:
-            limit = min(8, 63 - done)
-            ask = record.ask([0], None, limit, [None], [0]) if has else RowAsk([], None, 0, [])
-            choice = policy.choose([ask])
-            outcomes = outcomes_of(choice.rows, rng, early if done < 16 else late)
-            if choice.num_draft:
-                record.drafted(0, choice.rows[0][1], outcomes[0][1])
-            cost = 10 + (1 + 4 * choice.num_draft if choice.num_draft else 0)
-            tokens, done = tokens + 1 + outcomes[0][1], done + 1 + outcomes[0][1]
-            ms += cost
-            policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window, joined=joined)
-            joined = None
-    return tokens / ms, joins
+    """`_lone_user` with an MTP head: 24 requests, the last 12 measured; its join cheap (3 ms
+    for the prompt), its drafts kept with probability `early` over a request's first 16
+    tokens, `late` after (a generation's opening is hard to guess), 4 ms a draft (drafting
+    two throughout at 0.4 then 0.85: about 0.116 tokens/ms); the rows' own records give
+    their levels."""
+    return _lone_user(
+        policy, 3.0, 24, seed=seed, accept=(early, late), per_draft=4.0, own=True,
+        measured_from=12,
+    )  # fmt: skip
 
 
 def test_a_lone_rows_trivially_cheap_drafter_stays_joined_through_hard_openings():
