@@ -23,6 +23,16 @@ suits it or not, the same in every run), and priced at the drafter's acceptance 
 rows, a batch counted on drafts its rows with little to look up would not keep. The choice
 depends on earlier steps only, so every row's output keeps the target's distribution.
 
+Weighed as a whole, a batch gains by drafting for the rows whose drafts are kept, and the
+rows with little to draft pay for the wider pass all the same: at 8 rows on a 2-core x86 a
+pass verifying one draft a row costs about 1.15 plain steps, two 1.5, so a request whose
+text suits no drafter ran slower than with speculation off while the rows beside it ran
+faster (`server_load.py`'s requests against plain decoding). The engine keeps each row's
+pace against plain decoding (`BatchEngine`'s `pace_slack`), and a row that has fallen
+behind by more than its slack asks as `behind`: no plan is taken whose step is expected to
+give that row fewer tokens per second than a plain step would (`_Merged.slows`); its tokens
+at plain pace make up the difference.
+
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
 whether the policy then drafts with it or not: a row's cost, once, timed per token fed
 (`observe_join`) and kept out of the step costs. A row takes the drafter in where the guard
@@ -72,6 +82,9 @@ class RowAsk:
             over all rows sets its `levels`.
         levels: set by the policy (`BatchDraftPolicy._prepare`): per arm, the row's
             acceptance level (`_Gains.of`).
+        behind: the row has fallen behind the pace plain decoding would have kept by more
+            than it may (the engine's ledger, `BatchEngine.pace_slack`): no step may be
+            expected to slow it further (`_Merged.slows`).
     """
 
     arms: list[int]
@@ -81,6 +94,7 @@ class RowAsk:
     backlog: list[int] = field(default_factory=list)
     own: list = field(default_factory=list)
     levels: list[int] = field(default_factory=list)
+    behind: bool = False
 
     def level(self, arm: int) -> int:
         return self.levels[self.arms.index(arm)] if self.levels else 0
@@ -127,9 +141,11 @@ class RowRecord:
             trials += [0.0] * (asked - len(trials))
         count_round(hits, trials, asked, accepted)
 
-    def ask(self, arms: list[int], fixed, limit: int, available: list, backlog: list) -> RowAsk:
+    def ask(
+        self, arms: list[int], fixed, limit: int, available: list, backlog: list, behind=False
+    ) -> RowAsk:
         own = [self.own.get(a) for a in arms]
-        return RowAsk(arms, fixed, limit, available, backlog, own)
+        return RowAsk(arms, fixed, limit, available, backlog, own, behind=behind)
 
 
 LEVELS = 4  # acceptance levels per doubling (`_Gains.of`)
@@ -169,7 +185,8 @@ class _Merged:
         self.of_row: list[int] = []
         index: dict[tuple, int] = {}
         for ask in asks:
-            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available), *ask.levels)
+            key = (tuple(ask.arms), ask.fixed, ask.limit, tuple(ask.available), ask.behind)
+            key += tuple(ask.levels)
             i = index.setdefault(key, len(self.distinct))
             if i == len(self.distinct):
                 self.distinct.append(ask)
@@ -180,6 +197,7 @@ class _Merged:
             for arm, backlog in zip(ask.arms, ask.backlog, strict=False):
                 widest[arm] = max(widest.get(arm, 0), backlog)
             self.of_row.append(i)
+        self.behind = any(ask.behind for ask in self.distinct)
 
     def rows(self, plan: list) -> list[tuple[int | None, int]]:
         return [plan[i] for i in self.of_row]
@@ -194,6 +212,21 @@ class _Merged:
             count * (1.0 if arm is None else gains.of(arm, ask.level(arm))[k])
             for (arm, k), count, ask in zip(plan, self.counts, self.distinct, strict=True)
         )
+
+    def slows(self, plan: list, gains: _Gains, seconds: float, plain: float) -> bool:
+        """Whether a step of the plan, taking `seconds` where a plain step takes `plain`, is
+        expected to slow a row that is behind its pace (`RowAsk.behind`): one whose tokens
+        per second under the plan, E(k) / seconds, fall short of a plain step's 1 / plain.
+        A row that drafts nothing pays the wider pass for nothing, and one that drafts
+        little gains less than the pass costs it (see the module's text)."""
+        if not self.behind:
+            return False
+        for (arm, k), ask in zip(plan, self.distinct, strict=True):
+            if ask.behind:
+                gain = 1.0 if arm is None or k <= 0 else gains.of(arm, ask.level(arm))[k]
+                if gain * plain < seconds:
+                    return True
+        return False
 
     def catch_up(self, plan: list) -> int:
         """As `BatchDraftPolicy.catch_up` of the plan's rows."""
@@ -935,6 +968,7 @@ class BatchDraftPolicy:
         plain_rate = self._rate(asks, plain_rows, plain_tokens)
         if self._plain_seen < 2 or not any(a.arms for a in asks):
             return BatchChoice(0, plain_rows)
+        plain_seconds = self.costs.plain_seconds(len(asks))
         # A group's rows each take the drafter that looks best for them alone; a step pays
         # for every drafter its rows use, though (a model drafter's passes for one row that
         # an n-gram lookup cannot serve), so where they mix drafters, each of those drafters
@@ -959,7 +993,10 @@ class BatchDraftPolicy:
                 if only is None and len(shape[2]) > 1:
                     variants += [arm for arm in shape[2] if arm not in variants]
                 spread = merged.catch_up(plan) / self._horizon(shape[2])
-                rate = tokens / self.costs.seconds(*shape, spread)
+                seconds = self.costs.seconds(*shape, spread)
+                if merged.slows(plan, accept, seconds, plain_seconds):
+                    continue  # not for a row already behind its pace, however it pays
+                rate = tokens / seconds
                 if exploring:  # what it may do: a width never run here at its least
                     # possible cost, a drafter with few rounds behind it at hopeful acceptance
                     least = self.costs.hope(*shape, spread) or self.costs.seconds(*shape, spread)
@@ -985,13 +1022,18 @@ class BatchDraftPolicy:
             # a step's cost no slower (weighing every K of every drafter each step costs
             # a CPU's batch a few percent of its time), unless its width never ran and may
             # do better than its price.
-            if big_k >= best[1] + 2 and reach < self.stop_below * best[0]:
+            if best is not None and big_k >= best[1] + 2 and reach < self.stop_below * best[0]:
                 break
         # A width that never ran at this size, whose least possible cost would make it the
         # best: the exploring steps and probes measure it (each width once; its price is
         # then its own).
         if hoped <= contender:
             hopeful = None
+        if best is None:  # every plan would slow a row that is behind its pace
+            self._speculating = False
+            if signature is not None:
+                self._quiet = [signature, self.recheck - 1]
+            return BatchChoice(0, plain_rows)
         needed = self.margin / 2 if self._speculating else self.margin
         if best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
@@ -1036,12 +1078,12 @@ class BatchDraftPolicy:
 
     @staticmethod
     def _signature(asks: list[RowAsk]) -> tuple | None:
-        """What of the rows' asks can make speculation newly worth it: their drafters and the
-        drafts each can have (an n-gram lookup that found a match); None where a row has a
-        fixed k (it drafts whatever the batch's K)."""
+        """What of the rows' asks can make speculation newly worth it: their drafters, the
+        drafts each can have (an n-gram lookup that found a match) and whether it is behind
+        its pace; None where a row has a fixed k (it drafts whatever the batch's K)."""
         if any(ask.fixed is not None for ask in asks):
             return None
-        return tuple((tuple(a.arms), a.limit > 0, tuple(a.available)) for a in asks)
+        return tuple((tuple(a.arms), a.limit > 0, tuple(a.available), a.behind) for a in asks)
 
     def _widest(self, asks: list[RowAsk]) -> int:
         """The largest K that changes a plan (at least 1): beyond what any row can draft

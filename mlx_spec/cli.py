@@ -756,6 +756,16 @@ def _add_serve(sub) -> None:
         "of the device's memory)",
     )
     p.add_argument(
+        "--pace-slack",
+        type=_pace_slack,
+        default=0.02,
+        metavar="SHARE",
+        help="how far behind plain decoding's pace speculation inside a batch may put a "
+        "request, as a share of its decoding time: a request whose drafts fail is not slowed "
+        "further for the batch's sake once that far behind (default 0.02; 'off': the batch's "
+        "throughput alone decides)",
+    )
+    p.add_argument(
         "--no-batching",
         action="store_true",
         help="advance requests one after another in turn instead of batching them",
@@ -786,6 +796,18 @@ def _byte_count(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pace_slack(text: str) -> float | None:
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1) or 'off', got {text!r}")
+    return value
 
 
 def cmd_serve(args) -> int:
@@ -831,6 +853,7 @@ def cmd_serve(args) -> int:
         prefill_step=args.prefill_step,
         batching=not args.no_batching,
         max_kv_bytes=args.max_kv_bytes or None,
+        pace_slack=args.pace_slack,
     )
     if group is not None and group.rank() != 0:  # rank 0 answers; this rank runs its turns
         follow(model, tokenizer, config, drafters)

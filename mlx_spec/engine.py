@@ -129,6 +129,11 @@ class _Row:
     skipped: list = field(default_factory=list)  # model drafters it left out at joining
     produced: int = 0
     record: RowRecord = field(default_factory=RowRecord)  # its own acceptance
+    # Its pace against plain decoding (`BatchEngine.pace_slack`): the seconds its speculative
+    # steps took beyond what plain steps at their batch sizes would have taken for the tokens
+    # they gave it (negative: ahead), and those plain steps' seconds for every token it got.
+    lag: float = 0.0
+    paced: float = 0.0
     first_pending: bool = False  # joined the batch before its first token (`_join_direct`)
     done: bool = False
     cancelled: bool = False
@@ -245,6 +250,12 @@ class BatchEngine:
             and `max_tokens`, in the target's and its drafters' caches); a request waits until
             enough is free, and one that alone needs more fails with a ValueError. None: no
             limit.
+        pace_slack: how far behind plain decoding's pace speculation may put a request, as
+            a share of its time decoding (the policy weighs the batch's tokens as a whole;
+            a row whose drafts fail pays for the wider pass all the same): a row whose
+            ledger (`_Row.lag`) exceeds this share of the plain time of the tokens it got
+            is `behind`, and no step is chosen that would be expected to slow it further
+            until its tokens at plain pace make up the difference (None: no ledger).
     """
 
     def __init__(
@@ -259,8 +270,10 @@ class BatchEngine:
         prefill_step: int = 256,
         row_cache=None,
         max_kv_bytes: int | None = None,
+        pace_slack: float | None = 0.02,
     ):
         self.model, self.tokenizer, self.vocab = model, tokenizer, vocab_size
+        self.pace_slack = pace_slack
         self.drafters = drafters
         for drafter in drafters.values():
             drafter.vocab = vocab_size
@@ -750,7 +763,8 @@ class BatchEngine:
         drafters = [self.drafters[self.names[a]] for a in row.arms]
         available = [d.available(row.id, limit) for d in drafters]
         backlog = [d.backlog(row.id) for d in drafters]
-        return row.record.ask(row.arms, fixed, limit, available, backlog)
+        behind = self.pace_slack is not None and row.lag > self.pace_slack * row.paced
+        return row.record.ask(row.arms, fixed, limit, available, backlog, behind)
 
     def _decode(self) -> None:
         self._join_late()
@@ -871,6 +885,10 @@ class BatchEngine:
             emitted += 1
         now = time.perf_counter()
         if choice is not None:
+            plain = self.policy.costs.plain_seconds(len(ahead.ids))
+            for row_id in ahead.ids:  # a plain step keeps every row at plain pace
+                if row_id in rows:
+                    rows[row_id].paced += plain
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
             joined, self._join_spent = self._join_spent, {}
@@ -950,6 +968,7 @@ class BatchEngine:
         seconds = time.perf_counter() - self._last_settle - self._prefill_spent
         catch_up, window, joined = choice.catch_up, choice.window, self._join_spent
         turnover, self._turnover = self._turnover, False
+        self._pace(rows, outcomes, seconds, turnover)
         self.policy.observe(
             choice.rows,
             outcomes,
@@ -1028,6 +1047,17 @@ class BatchEngine:
         u = mx.stack([row_uniforms(r.random, n, k) for r, n in zip(rows, counts, strict=True)])
         noise = gumbel([r.random for r in rows], (vocab,))
         return batch_verify(target, probs, tokens, num, u, noise)
+
+    def _pace(self, rows: list[_Row], outcomes, seconds: float, turnover: bool) -> None:
+        """Each row's ledger after a speculative step of `seconds` (`_Row.lag`): what plain
+        steps at this batch size would have taken for the tokens it got, against the step's
+        time (rows joining or leaving before it cost a plain step as much: not counted)."""
+        plain = self.policy.costs.plain_seconds(len(rows))
+        if turnover:
+            seconds -= self.policy.costs.turnover_seconds(len(rows))
+        for row, (_, accepted) in zip(rows, outcomes, strict=True):
+            row.lag += seconds - (1 + accepted) * plain
+            row.paced += (1 + accepted) * plain
 
     def _emit(
         self, row: _Row, emitted: list[int], drafted: int, accepted: int, hidden, joined=True

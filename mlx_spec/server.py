@@ -277,6 +277,9 @@ class ServerConfig:
         max_kv_bytes: cache memory the batch's rows may reserve (prompt + max_tokens each);
             more requests wait, and one that alone needs more is refused. None: 40% of the
             device's memory.
+        pace_slack: how far behind plain decoding's pace speculation inside the batch may put
+            a request, as a share of its decoding time (`BatchEngine`); None: the batch's
+            throughput alone decides.
     """
 
     model_id: str = "model"
@@ -293,6 +296,7 @@ class ServerConfig:
     prefill_step: int = 256
     batching: bool = True
     max_kv_bytes: int | None = None
+    pace_slack: float | None = 0.02
 
 
 class _BodyLimit:
@@ -583,6 +587,7 @@ def batch_engine(
         prefill_step=config.prefill_step,
         row_cache=RowCache(config.prompt_cache_bytes, config.prompt_cache_entries),
         max_kv_bytes=config.max_kv_bytes or int(0.4 * device_memory()),
+        pace_slack=config.pace_slack,
     )
 
 

@@ -865,6 +865,46 @@ def always_draft(engine: BatchEngine, arm: int, k: int = 2) -> None:
     engine.policy.replan = lambda asks, choice: choose(asks)
 
 
+@pytest.mark.parametrize(
+    "slack, plain, behind", [(0.02, 1e-9, True), (0.02, 1e3, False), (None, 1e-9, False)]
+)
+def test_a_rows_ledger_puts_it_behind_after_steps_slower_than_plain_ones(
+    loaded, slack, plain, behind
+):
+    """The engine keeps each row's pace (`_Row.lag`, `paced`) and asks the policy with it:
+    where a plain step would take next to no time, every speculative step puts its rows
+    behind plain decoding's pace and their next asks say so; where it would take far longer
+    than any step, no row is ever behind; without a ledger (`pace_slack=None`), none."""
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(
+        model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4, pace_slack=slack
+    )
+    always_draft(engine, 0)
+    engine.policy.costs.plain_seconds = lambda rows: plain
+    drafted_before: set[int] = set()  # rows that had a speculative step before an ask
+    flags = []
+    real = engine._ask
+
+    def ask(row):
+        out = real(row)
+        if row.id in drafted_before:
+            flags.append(out.behind)
+        return out
+
+    engine._ask = ask
+    real_pace = engine._pace
+
+    def pace(rows, outcomes, seconds, turnover):
+        real_pace(rows, outcomes, seconds, turnover)
+        drafted_before.update(r.id for r in rows)
+
+    engine._pace = pace
+    requests = busy_requests(scored_vocab(model, tok), "draft-model", "auto", n=5)
+    run_all(engine, requests)
+    assert len(flags) > 20
+    assert all(flags) if behind else not any(flags)
+
+
 def test_a_row_joins_a_model_drafter_only_where_the_policy_drafts_with_it():
     """`join_pays`: with few steps seen at a batch size a row joins; where the drafter drafted
     in under `min_share` of the recent steps of that size it is turned away, but for every
@@ -1053,6 +1093,51 @@ def test_the_guard_bars_the_drafter_of_a_group_that_costs_more_than_it_adds():
     guarded, model, lookup = _group_realised(BatchDraftPolicy(["draft", "ngram"]))
     assert model < 0.1 and lookup > 0.8, (model, lookup)
     assert guarded > 1.1 and guarded > 1.08 * alone, (guarded, alone)
+
+
+def _paced_batch(slack: float | None, steps: int = 600) -> tuple[float, float, float]:
+    """8 rows: four whose drafts the target keeps with probability 0.85, four with nothing
+    to draft (a lookup that finds no match); a plain step 10 ms, a step verifying K drafts
+    10 ms + 1.5 / 5 / 6 ms for K = 1 / 2 / 3 (a 2-core CPU's widths) and 3 ms a draft
+    beyond. Each row keeps the engine's ledger (`BatchEngine._pace`, `pace_slack`).
+    Returns the undrafted rows' time per token over a plain step's (their slowdown), the
+    drafted rows' and the batch's tokens per ms."""
+    extra = {1: 1.5, 2: 5.0, 3: 6.0}
+    policy, rng = BatchDraftPolicy(["ngram"], guard=False), random.Random(7)
+    lag, paced, tokens, ms = [0.0] * 8, [0.0] * 8, [0] * 8, 0.0
+    for _ in range(steps):
+        plain = policy.costs.plain_seconds(8)
+        asks = [
+            RowAsk([0], None, 8, [None if i < 4 else 0], [0],
+                   behind=slack is not None and lag[i] > slack * paced[i])
+            for i in range(8)
+        ]  # fmt: skip
+        choice = policy.choose(asks)
+        outcomes = outcomes_of(choice.rows, rng, 0.85)
+        big_k = choice.num_draft
+        cost = 10.0 + extra.get(big_k, 6.0 + 3.0 * (big_k - 3)) if big_k else 10.0
+        ms += cost
+        for i, (_, kept) in enumerate(outcomes):
+            tokens[i] += 1 + kept
+            if big_k:
+                lag[i] += cost / 1e3 - (1 + kept) * plain
+            paced[i] += (1 + kept) * plain
+        policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window)
+    slowdown = max(ms / (10.0 * tokens[i]) for i in range(4, 8))
+    return slowdown, min(tokens[:4]) / ms, sum(tokens) / ms
+
+
+def test_speculation_in_a_batch_does_not_slow_a_row_that_cannot_draft():
+    """Weighed as a whole, the batch gains by drafting for the rows whose drafts are kept,
+    and the rows with nothing to draft pay the wider passes: they ran slower than
+    plain decoding would have (1.4x). With each row's ledger, a step that would slow a
+    row already behind its pace is not taken: those rows stay within a few percent of
+    plain decoding's pace, and the rows that draft still run faster than it."""
+    unfair, lucky_unfair, _ = _paced_batch(None)
+    assert unfair > 1.3 and lucky_unfair > 0.15, (unfair, lucky_unfair)
+    slowdown, lucky, batch = _paced_batch(0.02)
+    assert slowdown < 1.04, slowdown
+    assert lucky > 0.104 and batch >= 0.8, (lucky, batch)  # plain: 0.1 a row, 0.8 in all
 
 
 def test_the_policy_repeats_a_plain_answer_while_the_asks_stay_the_same():

@@ -438,6 +438,25 @@ def test_serve_cli_errors(checkpoints):
         assert "mlx-spec: error:" in proc.stderr
 
 
+def test_serve_pace_slack_reaches_the_engine(target):
+    """`--pace-slack` (a share, or 'off') is parsed and handed to the batch engine; a value
+    outside [0, 1) is refused by the parser with its reason."""
+    from mlx_spec.cli import build_parser
+    from mlx_spec.server import ServerConfig, batch_engine
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).pace_slack == 0.02
+    assert parser.parse_args(["serve", "--pace-slack", "0.05"]).pace_slack == 0.05
+    assert parser.parse_args(["serve", "--pace-slack", "off"]).pace_slack is None
+    for bad in ("1.5", "-0.1", "fast"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--pace-slack", bad])
+    model, tok, _ = target
+    for slack in (0.05, None):
+        engine = batch_engine(model, tok, ServerConfig(pace_slack=slack), {})
+        assert engine.pace_slack == slack
+
+
 def test_sse_format(url):
     """Raw SSE: `data: {json}` events, a role-only first chat delta, `data: [DONE]` last."""
     body = {**OK_CHAT, "stream": True, "temperature": 0}
