@@ -977,6 +977,7 @@ class BatchDraftPolicy:
         untried = [arm for arm in sorted(group) if (arm,) not in self.costs.fits]
         merged = _Merged(asks)
         best, plans, unmeasured, hopeful, hoped = None, {}, None, None, 0.0
+        held = None  # the best plan that would slow a row behind its pace (`_Merged.slows`)
         calm: dict = {}  # per K, its best plan that no drafter catches up in
         contender = (1 + self.margin) * plain_rate  # what a hope must promise to be tried
         # Only a probe or an exploring step runs a width for its hope: other steps leave it.
@@ -994,9 +995,13 @@ class BatchDraftPolicy:
                     variants += [arm for arm in shape[2] if arm not in variants]
                 spread = merged.catch_up(plan) / self._horizon(shape[2])
                 seconds = self.costs.seconds(*shape, spread)
-                if merged.slows(plan, accept, seconds, plain_seconds):
-                    continue  # not for a row already behind its pace, however it pays
                 rate = tokens / seconds
+                if merged.slows(plan, accept, seconds, plain_seconds):
+                    # Not for a row already behind its pace, however it pays; a probe alone
+                    # may run it (its loss is budgeted), so that the estimates stay measured.
+                    if held is None or rate > held[0]:
+                        held = (rate, big_k, plan, only)
+                    continue
                 if exploring:  # what it may do: a width never run here at its least
                     # possible cost, a drafter with few rounds behind it at hopeful acceptance
                     least = self.costs.hope(*shape, spread) or self.costs.seconds(*shape, spread)
@@ -1029,13 +1034,11 @@ class BatchDraftPolicy:
         # then its own).
         if hoped <= contender:
             hopeful = None
-        if best is None:  # every plan would slow a row that is behind its pace
-            self._speculating = False
-            if signature is not None:
-                self._quiet = [signature, self.recheck - 1]
-            return BatchChoice(0, plain_rows)
+        held_back = best is None  # every plan would slow a row that is behind its pace
+        if held_back:
+            best = held
         needed = self.margin / 2 if self._speculating else self.margin
-        if best[0] > plain_rate * (1 + needed):
+        if not held_back and best[0] > plain_rate * (1 + needed):
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest

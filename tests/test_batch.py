@@ -865,6 +865,24 @@ def always_draft(engine: BatchEngine, arm: int, k: int = 2) -> None:
     engine.policy.replan = lambda asks, choice: choose(asks)
 
 
+def test_probes_still_measure_a_drafter_while_its_plans_would_slow_rows_behind():
+    """Rows behind their pace, whose drafts the estimates price below what a wider pass
+    costs them: no step is chosen for its rate, but the probes still come (their loss is
+    budgeted; each followed by one step that prices its width), so that a drafter whose
+    acceptance was underestimated can be found out."""
+    policy, rng = BatchDraftPolicy(["mtp"], guard=False), random.Random(2)
+    asks = [RowAsk([0], None, 8, [None], behind=True) for _ in range(2)]
+    kinds = []
+    for _ in range(400):
+        choice = policy.choose(asks)
+        outcomes = outcomes_of(choice.rows, rng, 0.1)
+        kinds.append("plain" if not choice.num_draft else choice.why)
+        policy.observe(choice.rows, outcomes, (10 + 5 * choice.num_draft) / 1e3)
+    late = kinds[50:]
+    assert late.count("probe") >= 3 and set(late) == {"plain", "probe", "follow"}
+    assert all(kinds[i - 1] == "probe" for i in range(50, 400) if kinds[i] == "follow")
+
+
 @pytest.mark.parametrize(
     "slack, plain, behind", [(0.02, 1e-9, True), (0.02, 1e3, False), (None, 1e-9, False)]
 )
@@ -1327,8 +1345,9 @@ def _lone_user(
     throughout: K = 2 about 2.4 tokens in 15 ms, 0.16 tokens/ms); a request whose row joins
     the model drafter (where `join_pays`) pays `join_ms` to feed it an 80-token prompt, a
     cost no step shows. With `own`, the row's record of its rounds (`RowRecord`) gives its
-    asks their levels, as the engine's rows do. Returns the tokens per ms of the requests
-    from `measured_from` on and the requests that joined."""
+    asks their levels and its ledger (`BatchEngine._pace`, a slack of 2%) their `behind`,
+    as the engine's rows do. Returns the tokens per ms of the requests from `measured_from`
+    on and the requests that joined."""
     from mlx_spec.batch_policy import RowRecord
 
     rng, tokens, ms, joins = random.Random(seed), 0, 0.0, 0
@@ -1339,13 +1358,13 @@ def _lone_user(
         if has:
             joins, ms, joined = joins + 1, ms + join_ms, {0: join_ms / 1e3}
             policy.observe_join(0, 80, join_ms / 1e3)
-        done = 0
+        done, lag, paced = 0, 0.0, 0.0
         while done < 64:
             limit = min(8, 63 - done)
             if not has:
                 ask = RowAsk([], None, 0, [])
             elif own:
-                ask = record.ask([0], None, limit, [None], [0])
+                ask = record.ask([0], None, limit, [None], [0], behind=lag > 0.02 * paced)
             else:
                 ask = RowAsk([0], None, limit, [None])
             choice = policy.choose([ask])
@@ -1355,6 +1374,10 @@ def _lone_user(
             cost = 10 + (1 + per_draft * choice.num_draft if choice.num_draft else 0)
             tokens, done = tokens + 1 + outcomes[0][1], done + 1 + outcomes[0][1]
             ms += cost
+            plain = policy.costs.plain_seconds(1)
+            if choice.num_draft:
+                lag += cost / 1e3 - (1 + outcomes[0][1]) * plain
+            paced += (1 + outcomes[0][1]) * plain
             policy.observe(choice.rows, outcomes, cost / 1e3, window=choice.window, joined=joined)
             joined = None
     return tokens / ms, joins
