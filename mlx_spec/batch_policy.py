@@ -218,8 +218,10 @@ class _Merged:
         expected to slow a row that is behind its pace (`RowAsk.behind`): one whose tokens
         per second under the plan, E(k) / seconds, fall short of a plain step's 1 / plain.
         A row that drafts nothing pays the wider pass for nothing, and one that drafts
-        little gains less than the pass costs it (see the module's text)."""
-        if not self.behind:
+        little gains less than the pass costs it (see the module's text). A lone row's
+        plans are weighed by its own tokens already: none slows it but by a misjudgement,
+        and ruling plans out for it would only keep the policy from exploring."""
+        if not self.behind or self.size == 1:
             return False
         for (arm, k), ask in zip(plan, self.distinct, strict=True):
             if ask.behind:
