@@ -37,7 +37,11 @@ wall time (summed over the repeats) in plain, speculative and catch-up steps and
 reason for them (`BatchChoice.why`: its best plan, exploring steps, probes, the step after
 a switch), each with the share of them that caught up. With several requests per client,
 the steps with fewer rows than N are the run's tail: clients whose requests drafted well are
-done, the others still run (plain decoding keeps every row in step, so it has none).
+done, the others still run (plain decoding keeps every row in step, so it has none). It also
+prints each finished row's decoding time over what plain steps at its batch sizes would have
+taken for its tokens, and the share of that its speculative steps show (the engine's
+`RowTrace`; the ledger `--pace-slack` bounds): what a row spends beyond both is steps among
+rows out of step.
 
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
@@ -204,6 +208,33 @@ def run_peer(model, clients: list[list], max_tokens: int, temperature: float, de
     seconds = time.perf_counter() - tic
     gen.close()
     return tokens, seconds, 0.0
+
+
+def print_rows(rows: list) -> dict:
+    """Each finished row's decoding time over its plain-paced time (`RowTrace`: what plain
+    steps at its batch sizes would have taken for its tokens) and the share of that its
+    ledger shows (its speculative steps' time beyond their tokens' at plain pace), the
+    median, p95 and most over the rows; and the same for the quarter of the rows that kept
+    the fewest of their drafts."""
+    ratio = [r.seconds / r.paced for r in rows if r.paced > 0]
+    ledger = [r.lag / r.paced for r in rows if r.paced > 0]
+    kept = sorted((r for r in rows if r.paced > 0), key=lambda r: r.accepted / max(r.drafted, 1))[
+        : max(1, len(rows) // 4)
+    ]
+
+    def cell(values: list[float], signed: bool = False) -> str:
+        values = sorted(values)
+        at = values[min(len(values) - 1, int(0.95 * len(values)))]
+        fmt = "+.2f" if signed else ".2f"
+        return f"{statistics.median(values):{fmt}} / {at:{fmt}} / {values[-1]:{fmt}}"
+
+    few = [r.seconds / r.paced for r in kept]
+    print(
+        f"      rows ({len(ratio)}): decoding time over plain-paced time (p50 / p95 / max) "
+        f"{cell(ratio)}, the ledger's share {cell(ledger, True)}; the quarter that kept the "
+        f"fewest drafts {cell(few)}"
+    )
+    return {"over_paced": ratio, "ledger": ledger, "fewest_kept_over_paced": few}
 
 
 def print_trace(trace: list, wall: float) -> dict:
@@ -382,6 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--pace-slack",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="the engine keeps each row's pace against plain decoding with this slack (as "
+        "`serve --pace-slack`; default: off)",
+    )
+    p.add_argument(
         "--trace",
         action="store_true",
         help="also print where the steps' time went, per rows and drafts (medians "
@@ -452,10 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.concurrency:
         r = args.requests
         batch = [[prompts[(i * r + j) % len(prompts)] for j in range(r)] for i in range(n)]
-        engine = BatchEngine(model, tokenizer, vocab, drafters, max_batch=n, prefill_step=4096)
+        engine = BatchEngine(
+            model, tokenizer, vocab, drafters, max_batch=n, prefill_step=4096,
+            pace_slack=args.pace_slack,
+        )  # fmt: skip
         configs = configurations(engine, model, batch, args)
         runs: dict[str, list] = {name: [] for name, _ in configs}
         traces: dict[str, list] = {}
+        row_traces: dict[str, list] = {}
         walls: dict[str, float] = {}
         for _, fn in configs:  # warm-up (and the policy's first measurements)
             fn()
@@ -463,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for name, fn in order:
                 engine.trace = traces.setdefault(name, []) if args.trace else None
+                engine.row_trace = row_traces.setdefault(name, []) if args.trace else None
                 tokens, seconds, acceptance = fn()
                 walls[name] = walls.get(name, 0.0) + seconds
                 runs[name].append((tokens / seconds, acceptance))
@@ -486,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if traces.get(name):
                 row["trace"] = print_trace(traces[name], walls[name])
+            if row_traces.get(name):
+                row["rows"] = print_rows(row_traces[name])
     if args.json:
         write_record(
             args.json, argv, results, max_tokens=args.max_tokens,

@@ -306,6 +306,8 @@ def spec_server(args, slots: int) -> ServerProcess:
     ]  # fmt: skip
     if args.draft_model:
         command += ["--draft-model", args.draft_model]
+    if args.pace_slack is not None:
+        command += ["--pace-slack", args.pace_slack]
     mtp = args.mtp or (args.model if (Path(args.model) / "mtp").is_dir() else None)
     if mtp:
         command += ["--mtp", mtp]
@@ -529,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         help="give mlx_lm.server mlx-spec's CPU fast paths too (vectorized exp, fused RoPE and "
         "RMSNorm, the weights' layout mlx-spec picks; by default it runs MLX's own)",
     )
+    p.add_argument(
+        "--pace-slack",
+        metavar="SHARE",
+        help="start mlx-spec serve with --pace-slack SHARE (each request's pace against plain "
+        "decoding; by default the server's own default, off)",
+    )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--summary", metavar="JSON", help="print a results file as markdown tables")
@@ -595,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_concurrent": slots,
         "num_draft": num_draft,
         "peer_fast_math": args.peer_fast_math,
+        "pace_slack": args.pace_slack,
         "results": rows,
     }
     if args.json:

@@ -27,11 +27,14 @@ Weighed as a whole, a batch gains by drafting for the rows whose drafts are kept
 rows with little to draft pay for the wider pass all the same: at 8 rows on a 2-core x86 a
 pass verifying one draft a row costs about 1.15 plain steps, two 1.5, so a request whose
 text suits no drafter ran slower than with speculation off while the rows beside it ran
-faster (`server_load.py`'s requests against plain decoding). The engine keeps each row's
-pace against plain decoding (`BatchEngine`'s `pace_slack`), and a row that has fallen
-behind by more than its slack asks as `behind`: no plan is taken whose step is expected to
-give that row fewer tokens per second than a plain step would (`_Merged.slows`); its tokens
-at plain pace make up the difference.
+faster (`server_load.py`'s requests against plain decoding). Where the engine keeps each
+row's pace against plain decoding (`BatchEngine`'s `pace_slack`, off by default), a row
+that has fallen behind by more than its slack asks as `behind`: no plan is taken whose
+step is expected to give that row fewer tokens per second than a plain step would
+(`_Merged.slows`; the probes still run); its tokens at plain pace make up the difference.
+That costs the batch the steps such rows hold back, and what slows a request in a busy
+batch is not only its share of the wider passes (rows out of step: prompts prefilled and
+rows joining between steps, which rows in step would have met together).
 
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
 whether the policy then drafts with it or not: a row's cost, once, timed per token fed

@@ -758,12 +758,12 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--pace-slack",
         type=_pace_slack,
-        default=0.02,
+        default=None,
         metavar="SHARE",
         help="how far behind plain decoding's pace speculation inside a batch may put a "
-        "request, as a share of its decoding time: a request whose drafts fail is not slowed "
-        "further for the batch's sake once that far behind (default 0.02; 'off': the batch's "
-        "throughput alone decides)",
+        "request, as a share of its decoding time, e.g. 0.02: a request whose drafts fail is "
+        "not slowed further for the batch's sake once that far behind, at some cost to the "
+        "batch's throughput (default: off, the batch's throughput alone decides)",
     )
     p.add_argument(
         "--no-batching",

@@ -172,6 +172,24 @@ class StepTrace:
     why: str = "best"  # the policy's reason for the step (`BatchChoice.why`)
 
 
+@dataclass
+class RowTrace:
+    """A finished row's pace (`BatchEngine.row_trace`): `seconds` from its first token to its
+    last, `paced` what plain steps at the batch sizes it ran in would have taken for its
+    tokens, `lag` the seconds its speculative steps took beyond that (its ledger, see
+    `pace_slack`), its tokens, and the drafts it was given and kept. `seconds` beyond
+    `paced` + `lag` is what its speculative steps do not show: plain steps slower than the
+    cost model's (a pipeline restarted after speculative ones), prompts prefilled and rows
+    joining between its steps."""
+
+    seconds: float
+    paced: float
+    lag: float
+    tokens: int
+    drafted: int
+    accepted: int
+
+
 class _Features:
     """The target features the engine's drafters read, one kind per drafter that reads any (the
     final hidden state: MTP heads; its layers' features: EAGLE-3, DFlash), recorded on every
@@ -255,7 +273,10 @@ class BatchEngine:
             a row whose drafts fail pays for the wider pass all the same): a row whose
             ledger (`_Row.lag`) exceeds this share of the plain time of the tokens it got
             is `behind`, and no step is chosen that would be expected to slow it further
-            until its tokens at plain pace make up the difference (None: no ledger).
+            until its tokens at plain pace make up the difference (None, the default: no
+            ledger; on a 2-core x86 a slack of 0.02 cost the n-gram lookup at 4 rows a tenth
+            of its throughput and moved its slowest requests within the runs' noise: the
+            README's server measurements).
     """
 
     def __init__(
@@ -270,7 +291,7 @@ class BatchEngine:
         prefill_step: int = 256,
         row_cache=None,
         max_kv_bytes: int | None = None,
-        pace_slack: float | None = 0.02,
+        pace_slack: float | None = None,
     ):
         self.model, self.tokenizer, self.vocab = model, tokenizer, vocab_size
         self.pace_slack = pace_slack
@@ -331,8 +352,10 @@ class BatchEngine:
         self._size_seen = 0.0  # the batch's size, averaged over its recent steps
         self._last_decode = 0.0  # when the last decoding step started
         self._used: float | None = None  # share of their budgets the rows that ended used
-        # Set to a list to record where each step's time goes (`StepTrace`).
+        # Set to a list to record where each step's time goes (`StepTrace`), and each
+        # finished row's pace (`RowTrace`).
         self.trace: list[StepTrace] | None = None
+        self.row_trace: list[RowTrace] | None = None
 
     def _threads(self, tokens: int) -> None:
         """The BLAS threads for a pass over `tokens` tokens (see `blas_threads`)."""
@@ -1110,6 +1133,11 @@ class BatchEngine:
         i = self._physical(self.active.index(row))
         if row.done and not row.cancelled:
             self._used = _ema(self._used, row.produced / max(row.request.max_tokens, 1), 0.2)
+            if self.row_trace is not None:
+                s = row.stats
+                trace = RowTrace(s.decode_seconds, row.paced, row.lag, row.produced, s.drafted,
+                                 s.accepted)  # fmt: skip
+                self.row_trace.append(trace)
         states = {self.names[a]: self.drafters[self.names[a]].leave(row.id) for a in row.arms}
         if keep_cache and self.row_cache is not None:
             one = self.cache.extract(i, self.model)

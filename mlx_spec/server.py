@@ -278,8 +278,8 @@ class ServerConfig:
             more requests wait, and one that alone needs more is refused. None: 40% of the
             device's memory.
         pace_slack: how far behind plain decoding's pace speculation inside the batch may put
-            a request, as a share of its decoding time (`BatchEngine`); None: the batch's
-            throughput alone decides.
+            a request, as a share of its decoding time (`BatchEngine`); None (the default):
+            the batch's throughput alone decides.
     """
 
     model_id: str = "model"
@@ -296,7 +296,7 @@ class ServerConfig:
     prefill_step: int = 256
     batching: bool = True
     max_kv_bytes: int | None = None
-    pace_slack: float | None = 0.02
+    pace_slack: float | None = None
 
 
 class _BodyLimit:

@@ -245,10 +245,11 @@ def test_engine_trace_records_each_step(loaded):
     most the requests' k), the tokens it emitted and five spans that are never negative and
     fit in the run's time; the drafts the rows report fit in what the steps drafted. Plain
     steps (timed ones: the pipeline's) leave theirs with K = 0 and their time in `verify`.
-    Each records the target cache's columns in use and the tokens its rows hold."""
+    Each records the target cache's columns in use and the tokens its rows hold; each
+    finished row leaves a `RowTrace` of its pace."""
     model, tok, draft, _ = loaded["llama"]
     engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
-    engine.trace = []
+    engine.trace, engine.row_trace = [], []
     requests = busy_requests(scored_vocab(model, tok), "draft-model", 3, n=5)
     requests += busy_requests(scored_vocab(model, tok), None, 0, n=3)
     tic = time.perf_counter()
@@ -271,6 +272,13 @@ def test_engine_trace_records_each_step(loaded):
     assert all(0 < t.held <= t.columns for t in engine.trace)
     assert any(t.columns > t.held for t in engine.trace)
     assert all(t.why in ("best", "explore", "probe", "follow") for t in engine.trace)
+    # Each finished row's pace: its tokens, drafts and time (`RowTrace`).
+    rows = sorted(engine.row_trace, key=lambda r: r.tokens)
+    assert [r.tokens for r in rows] == sorted(len(tokens) for tokens, _ in results)
+    assert sorted((r.drafted, r.accepted) for r in rows) == sorted(
+        (final.stats.drafted, final.stats.accepted) for _, final in results
+    )
+    assert all(r.seconds >= 0 and r.paced > 0 and r.accepted <= r.drafted for r in rows)
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])

@@ -445,7 +445,7 @@ def test_serve_pace_slack_reaches_the_engine(target):
     from mlx_spec.server import ServerConfig, batch_engine
 
     parser = build_parser()
-    assert parser.parse_args(["serve"]).pace_slack == 0.02
+    assert parser.parse_args(["serve"]).pace_slack is None
     assert parser.parse_args(["serve", "--pace-slack", "0.05"]).pace_slack == 0.05
     assert parser.parse_args(["serve", "--pace-slack", "off"]).pace_slack is None
     for bad in ("1.5", "-0.1", "fast"):
