@@ -907,11 +907,11 @@ class BatchEngine:
             self._emit(row, [tokens[i]], 0, 0, hidden)
             emitted += 1
         now = time.perf_counter()
+        plain = self.policy.costs.plain_seconds(len(ahead.ids))
+        for row_id in ahead.ids:  # a plain step keeps every row at plain pace, timed or not
+            if row_id in rows:
+                rows[row_id].paced += plain
         if choice is not None:
-            plain = self.policy.costs.plain_seconds(len(ahead.ids))
-            for row_id in ahead.ids:  # a plain step keeps every row at plain pace
-                if row_id in rows:
-                    rows[row_id].paced += plain
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
             joined, self._join_spent = self._join_spent, {}
