@@ -32,9 +32,7 @@ row's pace against plain decoding (`BatchEngine`'s `pace_slack`, off by default)
 that has fallen behind by more than its slack asks as `behind`: no plan is taken whose
 step is expected to give that row fewer tokens per second than a plain step would
 (`_Merged.slows`; the probes still run); its tokens at plain pace make up the difference.
-That costs the batch the steps such rows hold back, and what slows a request in a busy
-batch is not only its share of the wider passes (rows out of step: prompts prefilled and
-rows joining between steps, which rows in step would have met together).
+That costs the batch the steps such rows hold back.
 
 A model drafter costs a pass over each joining row's prompt before it drafts at all, paid
 whether the policy then drafts with it or not: a row's cost, once, timed per token fed

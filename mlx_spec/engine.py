@@ -274,9 +274,8 @@ class BatchEngine:
             ledger (`_Row.lag`) exceeds this share of the plain time of the tokens it got
             is `behind`, and no step is chosen that would be expected to slow it further
             until its tokens at plain pace make up the difference (None, the default: no
-            ledger; on a 2-core x86 a slack of 0.02 cost the n-gram lookup at 4 rows a tenth
-            of its throughput and moved its slowest requests within the runs' noise: the
-            README's server measurements).
+            ledger; on a 2-core x86 a slack of 0.02 held the rows near plain pace at the
+            cost of most of what speculation gained the batch: the README's measurements).
     """
 
     def __init__(
