@@ -216,11 +216,10 @@ def print_rows(rows: list) -> dict:
     ledger shows (its speculative steps' time beyond their tokens' at plain pace), the
     median, p95 and most over the rows; and the same for the quarter of the rows that kept
     the fewest of their drafts."""
-    ratio = [r.seconds / r.paced for r in rows if r.paced > 0]
-    ledger = [r.lag / r.paced for r in rows if r.paced > 0]
-    kept = sorted((r for r in rows if r.paced > 0), key=lambda r: r.accepted / max(r.drafted, 1))[
-        : max(1, len(rows) // 4)
-    ]
+    rows = [r for r in rows if r.paced > 0]
+    ratio = [r.seconds / r.paced for r in rows]
+    ledger = [r.lag / r.paced for r in rows]
+    kept = sorted(rows, key=lambda r: r.accepted / max(r.drafted, 1))[: max(1, len(rows) // 4)]
 
     def cell(values: list[float], signed: bool = False) -> str:
         values = sorted(values)

@@ -210,8 +210,8 @@ class _Merged:
     def tokens(self, plan: list, gains: _Gains) -> float:
         """The tokens the plan's rows emit with E(k) `gains`."""
         return sum(
-            count * (1.0 if arm is None else gains.of(arm, ask.level(arm))[k])
-            for (arm, k), count, ask in zip(plan, self.counts, self.distinct, strict=True)
+            count * _gain(choice, ask, gains)
+            for choice, count, ask in zip(plan, self.counts, self.distinct, strict=True)
         )
 
     def slows(self, plan: list, gains: _Gains, seconds: float, plain: float) -> bool:
@@ -224,16 +224,20 @@ class _Merged:
         and ruling plans out for it would only keep the policy from exploring."""
         if not self.behind or self.size == 1:
             return False
-        for (arm, k), ask in zip(plan, self.distinct, strict=True):
-            if ask.behind:
-                gain = 1.0 if arm is None or k <= 0 else gains.of(arm, ask.level(arm))[k]
-                if gain * plain < seconds:
-                    return True
-        return False
+        return any(
+            ask.behind and _gain(choice, ask, gains) * plain < seconds
+            for choice, ask in zip(plan, self.distinct, strict=True)
+        )
 
     def catch_up(self, plan: list) -> int:
         """As `BatchDraftPolicy.catch_up` of the plan's rows."""
         return _catch_up(list(zip(plan, self.counts, self.widest, strict=True)))
+
+
+def _gain(choice: tuple[int | None, int], ask: RowAsk, gains: _Gains) -> float:
+    """E(k) of a row drafting `choice` (arm, k) at its acceptance level (1: no drafts)."""
+    arm, k = choice
+    return 1.0 if arm is None or k <= 0 else gains.of(arm, ask.level(arm))[k]
 
 
 def _catch_up(groups: list[tuple[tuple[int | None, int], int, dict[int, int]]]) -> int:
@@ -1007,7 +1011,7 @@ class BatchDraftPolicy:
                     continue
                 if exploring:  # what it may do: a width never run here at its least
                     # possible cost, a drafter with few rounds behind it at hopeful acceptance
-                    least = self.costs.hope(*shape, spread) or self.costs.seconds(*shape, spread)
+                    least = self.costs.hope(*shape, spread) or seconds
                     hope = merged.tokens(plan, hopes) / least
                 else:
                     hope = 0.0

@@ -897,19 +897,17 @@ class BatchEngine:
         queued get nothing: their token is dropped with their caches)."""
         tokens = ahead.tokens.tolist()
         rows = {r.id: r for r in self.active}
+        plain = self.policy.costs.plain_seconds(len(ahead.ids))
         emitted = 0
         for i, row_id in enumerate(ahead.ids):
             row = rows.get(row_id)
             if row is None or row.done:
                 continue
             hidden = None if ahead.hidden is None else ahead.hidden[i : i + 1]
+            row.paced += plain  # a plain step keeps a row at plain pace, timed or not
             self._emit(row, [tokens[i]], 0, 0, hidden)
             emitted += 1
         now = time.perf_counter()
-        plain = self.policy.costs.plain_seconds(len(ahead.ids))
-        for row_id in ahead.ids:  # a plain step keeps every row at plain pace, timed or not
-            if row_id in rows:
-                rows[row_id].paced += plain
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
