@@ -240,6 +240,23 @@ def test_greedy_rows_equal_single_stream(loaded, family, drafter, num_draft):
     assert engine.cache is None and all(not d.rows for d in drafters.values())
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "all"])
+def test_greedy_rows_equal_single_stream_with_the_pace_ledger(loaded, drafter):
+    """With every row held to plain decoding's pace (`pace_slack=0`: any row behind holds
+    back the plans that would slow it), the steps the batch takes change, its tokens do not:
+    each request equals plain single-stream decoding, and rows still drafted."""
+    model, tok, draft, _ = loaded["llama"]
+    tok = with_eos(tok)
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=4, prefill_step=16, pace_slack=0.0)
+    requests = busy_requests(scored_vocab(model, tok), drafter, "auto")
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == plain.tokens
+    assert sum(final.stats.drafted for _, final in results) > 0
+
+
 def test_engine_trace_records_each_step(loaded):
     """With `trace` set, every speculative step leaves a `StepTrace`: its rows, its drafts (at
     most the requests' k), the tokens it emitted and five spans that are never negative and
