@@ -308,6 +308,8 @@ def spec_server(args, slots: int) -> ServerProcess:
         command += ["--draft-model", args.draft_model]
     if args.pace_slack is not None:
         command += ["--pace-slack", args.pace_slack]
+    if args.trace_steps:
+        command += ["--trace-steps", str(Path(args.trace_steps).resolve())]
     mtp = args.mtp or (args.model if (Path(args.model) / "mtp").is_dir() else None)
     if mtp:
         command += ["--mtp", mtp]
@@ -536,6 +538,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SHARE",
         help="start mlx-spec serve with --pace-slack SHARE (each request's pace against plain "
         "decoding; by default the server's own default, off)",
+    )
+    p.add_argument(
+        "--trace-steps",
+        metavar="FILE",
+        help="mlx-spec serve appends each of its engine's steps to FILE (`serve --trace-steps`; "
+        "`python benchmarks/step_timeline.py FILE` summarises them)",
     )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")

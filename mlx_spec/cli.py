@@ -766,6 +766,13 @@ def _add_serve(sub) -> None:
         "batch's throughput (default: off, the batch's throughput alone decides)",
     )
     p.add_argument(
+        "--trace-steps",
+        metavar="FILE",
+        help="append each step of the batch engine to FILE as a JSON line (rows, drafts, the "
+        "drafters, where its milliseconds went, the policy's reason): why speculation pays "
+        "or not under your load; `python benchmarks/step_timeline.py FILE` summarises it",
+    )
+    p.add_argument(
         "--no-batching",
         action="store_true",
         help="advance requests one after another in turn instead of batching them",
@@ -810,6 +817,19 @@ def _pace_slack(text: str) -> float | None:
     return value
 
 
+def _trace_file(path: str | None, no_batching: bool) -> str | None:
+    """`--trace-steps`: a file the server can append to (checked before the model loads)."""
+    if path is None:
+        return None
+    if no_batching:
+        raise ValueError("--trace-steps traces the batch engine's steps: drop --no-batching")
+    try:
+        open(path, "a").close()
+    except OSError as exc:
+        raise ValueError(f"--trace-steps: cannot write {path}: {exc.strerror}") from None
+    return path
+
+
 def cmd_serve(args) -> int:
     from mlx_spec.server import ServerConfig, create_app, drafter_factories, follow
 
@@ -819,6 +839,7 @@ def cmd_serve(args) -> int:
     for name in ("max_tokens_limit", "max_request_bytes", "max_concurrent", "port", "prefill_step"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    trace_steps = _trace_file(args.trace_steps, args.no_batching)
     _blas.warn_if_slow()
     demo = args.model is None
     if demo:
@@ -854,6 +875,7 @@ def cmd_serve(args) -> int:
         batching=not args.no_batching,
         max_kv_bytes=args.max_kv_bytes or None,
         pace_slack=args.pace_slack,
+        trace_steps=trace_steps,
     )
     if group is not None and group.rank() != 0:  # rank 0 answers; this rank runs its turns
         follow(model, tokenizer, config, drafters)

@@ -29,9 +29,11 @@ row's outcome, and the byte counts that admission and the prompt cache decide on
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from mlx_spec import distributed
 from mlx_spec.api import OutputCutter
@@ -170,6 +172,22 @@ class StepTrace:
     columns: int = 0
     held: float = 0.0
     why: str = "best"  # the policy's reason for the step (`BatchChoice.why`)
+    drafters: str = ""  # the drafters its rows drafted with, "+"-joined ("": a plain step)
+
+
+class StepLog:
+    """A step trace written as the engine runs (`serve --trace-steps FILE`): each `StepTrace`
+    one JSON line, its fields and `t`, the seconds since the log was opened, appended where
+    the engine would append to its `trace` list. Lines are flushed one by one, so a server
+    stopped at any moment leaves every step it ran."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the server's life)
+        self.start = time.perf_counter()
+
+    def append(self, step: StepTrace) -> None:
+        t = round(time.perf_counter() - self.start, 4)
+        self.file.write(json.dumps({**asdict(step), "t": t}) + "\n")
 
 
 @dataclass
@@ -353,7 +371,7 @@ class BatchEngine:
         self._used: float | None = None  # share of their budgets the rows that ended used
         # Set to a list to record where each step's time goes (`StepTrace`), and each
         # finished row's pace (`RowTrace`).
-        self.trace: list[StepTrace] | None = None
+        self.trace: list[StepTrace] | StepLog | None = None
         self.row_trace: list[RowTrace] | None = None
 
     def _threads(self, tokens: int) -> None:
@@ -1005,8 +1023,12 @@ class BatchEngine:
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             tokens = sum(1 + n for _, n in outcomes)
             widths = self._widths()
+            arms = sorted({arm for arm, asked in choice.rows if arm is not None and asked})
+            drafters = "+".join(self.names[a] for a in arms)
             self.trace.append(
-                StepTrace(len(rows), k, choice.catch_up, tokens, *spans, *widths, choice.why)
+                StepTrace(
+                    len(rows), k, choice.catch_up, tokens, *spans, *widths, choice.why, drafters
+                )
             )
 
     def _widths(self) -> tuple[int, float]:

@@ -44,7 +44,7 @@ from mlx_spec.drafters.draft_model import DraftModelDrafter
 from mlx_spec.drafters.group import DrafterGroup
 from mlx_spec.drafters.mtp import MTPDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
-from mlx_spec.engine import ALL, BatchEngine, BatchRequest
+from mlx_spec.engine import ALL, BatchEngine, BatchRequest, StepLog
 from mlx_spec.prompt_cache import PromptCache, RowCache
 from mlx_spec.runner import context_limit
 from mlx_spec.sampling import SamplingConfig
@@ -280,6 +280,9 @@ class ServerConfig:
         pace_slack: how far behind plain decoding's pace speculation inside the batch may put
             a request, as a share of its decoding time (`BatchEngine`); None (the default):
             the batch's throughput alone decides.
+        trace_steps: a file the batch engine appends each step's trace to, one JSON line a
+            step (`StepLog`: rows, drafts, drafters, where its time went, the policy's reason;
+            `benchmarks/step_timeline.py` summarises it). None: no trace.
     """
 
     model_id: str = "model"
@@ -297,6 +300,7 @@ class ServerConfig:
     batching: bool = True
     max_kv_bytes: int | None = None
     pace_slack: float | None = None
+    trace_steps: str | None = None
 
 
 class _BodyLimit:
@@ -577,7 +581,7 @@ def batch_engine(
         for name, factory in drafters.items()
         if name != ALL and getattr(factory, "batch", None) is not None
     }
-    return BatchEngine(
+    engine = BatchEngine(
         model,
         tokenizer,
         scored_vocab(model, tokenizer),
@@ -589,6 +593,9 @@ def batch_engine(
         max_kv_bytes=config.max_kv_bytes or int(0.4 * device_memory()),
         pace_slack=config.pace_slack,
     )
+    if config.trace_steps:
+        engine.trace = StepLog(config.trace_steps)
+    return engine
 
 
 def device_memory() -> int:

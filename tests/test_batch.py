@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import random
 import time
 
@@ -18,7 +19,7 @@ from mlx_spec.batch_cache import BatchCache, batchable
 from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
 from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
 from mlx_spec.compat import scored_vocab
-from mlx_spec.engine import IDLE_RESET, BatchEngine, BatchRequest
+from mlx_spec.engine import IDLE_RESET, BatchEngine, BatchRequest, StepLog, StepTrace
 from mlx_spec.prompt_cache import RowCache
 from mlx_spec.sampling import SamplingConfig
 
@@ -28,6 +29,7 @@ import pytest
 from chisquare import chisquare_pvalue
 from conftest import with_eos
 from mlx_lm.models.cache import make_prompt_cache
+from test_bench import _benchmark
 from test_distribution import CONFIGS, LENGTH, PROMPT, exact_distribution, pair  # noqa: F401
 
 ALPHA = 1e-3
@@ -296,6 +298,43 @@ def test_engine_trace_records_each_step(loaded):
         (final.stats.drafted, final.stats.accepted) for _, final in results
     )
     assert all(r.seconds >= 0 and r.paced > 0 and r.accepted <= r.drafted for r in rows)
+
+
+def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
+    """`StepLog` (`serve --trace-steps`): the engine writes each step as a JSON line while it
+    runs, as it would append it to its trace list: the same fields, the drafters a speculative
+    step's rows drafted with (none for a plain one) and a time that never goes back; the
+    same tokens as without it. `benchmarks/step_timeline.py` reads it back."""
+    model, tok, draft, _ = loaded["llama"]
+    vocab = scored_vocab(model, tok)
+    requests = busy_requests(vocab, "all", 3, n=4) + busy_requests(vocab, None, 0, n=2)
+    path = tmp_path / "steps.jsonl"
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=3)
+    engine.trace = StepLog(path)
+    first = run_all(engine, requests)
+    lines = path.read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert len(steps) > 4 and all(line.endswith("}") for line in lines)
+    fields = set(StepTrace.__dataclass_fields__) | {"t"}
+    assert all(set(step) == fields for step in steps)
+    times = [step["t"] for step in steps]
+    assert times == sorted(times) and times[0] >= 0
+    spec = [step for step in steps if step["num_draft"]]
+    used = [set(step["drafters"].split("+")) for step in spec]
+    assert spec and all(names and names <= {"ngram", "draft-model"} for names in used)
+    assert all(step["drafters"] == "" for step in steps if not step["num_draft"])
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=3)
+    assert [tokens for tokens, _ in run_all(engine, requests)] == [t for t, _ in first]
+    timeline = _benchmark("step_timeline")
+    read = timeline.load(str(path))
+    assert [step["tokens"] for step in read] == [step["tokens"] for step in steps]
+    assert all(step["ms"] > 0 and step["gap_ms"] >= 0 for step in read)
+    table = timeline.by_kind(read)
+    assert sum(int(line.split("|")[5]) for line in table[2:]) == len(steps)
+    assert timeline.main([str(path), "--bins", "0.05"]) == 0
+    assert timeline.main([str(tmp_path / "missing.jsonl")]) == 2
 
 
 @pytest.mark.parametrize("num_draft", ["auto", 2])

@@ -457,6 +457,27 @@ def test_serve_pace_slack_reaches_the_engine(target):
         assert engine.pace_slack == slack
 
 
+def test_serve_trace_steps_reaches_the_engine(target, tmp_path):
+    """`--trace-steps FILE` gives the batch engine a `StepLog` on FILE; a file that cannot be
+    written, or the flag with --no-batching, is a clear error before the model loads."""
+    from mlx_spec.cli import _trace_file, build_parser, main
+    from mlx_spec.engine import StepLog
+    from mlx_spec.server import ServerConfig, batch_engine
+
+    path = str(tmp_path / "steps.jsonl")
+    assert build_parser().parse_args(["serve", "--trace-steps", path]).trace_steps == path
+    assert _trace_file(None, False) is None and _trace_file(path, False) == path
+    with pytest.raises(ValueError, match="no-batching"):
+        _trace_file(path, True)
+    with pytest.raises(ValueError, match="cannot write"):
+        _trace_file(str(tmp_path / "missing" / "steps.jsonl"), False)
+    assert main(["serve", "--trace-steps", str(tmp_path / "missing" / "x.jsonl")]) != 0
+    model, tok, _ = target
+    engine = batch_engine(model, tok, ServerConfig(trace_steps=path), {})
+    assert isinstance(engine.trace, StepLog) and engine.trace.file.name == path
+    assert batch_engine(model, tok, ServerConfig(), {}).trace is None
+
+
 def test_sse_format(url):
     """Raw SSE: `data: {json}` events, a role-only first chat delta, `data: [DONE]` last."""
     body = {**OK_CHAT, "stream": True, "temperature": 0}

@@ -1,0 +1,156 @@
+"""Summarise a server's step trace (`mlx-spec serve --trace-steps FILE`).
+
+Each line of the file is one step of the batch engine: its rows B, drafts K, the drafters its
+rows drafted with, the policy's reason, where its milliseconds went and `t`, when it ended
+(seconds since the server started). This prints
+
+- the steps by (B, K, reason, drafters): how many, their share of the steps' time, the median
+  step's milliseconds, tokens per step and tokens per millisecond, against plain steps (K = 0);
+- the time between steps (prefills, model drafters taking rows in, an idle server), which no
+  step's time holds;
+- with `--bins S`, a timeline of S-second bins: steps, speculative steps and their time, the
+  median plain step, the time between steps and the tokens per second, to see where a load's
+  speculative stretches (one mode of `server_load.py`, say) lose or gain.
+
+    python benchmarks/server_load.py --concurrency 8 --modes none all --no-peer \\
+        --trace-steps steps.jsonl
+    python benchmarks/step_timeline.py steps.jsonl --bins 0.4
+    python benchmarks/step_timeline.py steps.jsonl --start 9.0 --end 10.8   # one stretch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+SPANS = ("draft_build", "draft_queue", "verify_build", "verify", "host")
+
+
+def load(path: str) -> list[dict]:
+    """The steps of a trace file, each with `ms` (its time) and `gap_ms` (the time since the
+    step before ended that is not its own). A last line cut short by a stopped server is
+    skipped."""
+    steps, last = [], None
+    for line in Path(path).read_text().splitlines():
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        step["ms"] = 1000 * sum(step[name] for name in SPANS)
+        step["gap_ms"] = 0.0 if last is None else max(0.0, 1000 * (step["t"] - last) - step["ms"])
+        step.setdefault("drafters", "")
+        last = step["t"]
+        steps.append(step)
+    return steps
+
+
+def by_kind(steps: list[dict], top: int | None = None) -> list[str]:
+    """Lines of the table of steps by (B, K, reason, drafters), the costliest first (the
+    `top` costliest kinds)."""
+    groups = defaultdict(list)
+    for s in steps:
+        groups[(s["rows"], s["num_draft"], s["why"], s["drafters"])].append(s)
+    total = sum(s["ms"] for s in steps) or 1.0
+    lines = [
+        "| B | K | reason | drafters | steps | share of the steps' time | median ms | tokens "
+        "per step | tokens per ms |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for key in sorted(groups, key=lambda k: -sum(s["ms"] for s in groups[k]))[:top]:
+        group = groups[key]
+        ms = sum(s["ms"] for s in group)
+        tokens = sum(s["tokens"] for s in group)
+        rows, k, why, drafters = key
+        lines.append(
+            f"| {rows} | {k} | {why if k else 'plain'} | {drafters or '-'} | {len(group)} "
+            f"| {100 * ms / total:.1f}% | {statistics.median(s['ms'] for s in group):.2f} "
+            f"| {tokens / len(group):.1f} | {tokens / ms if ms else 0.0:.2f} |"
+        )
+    return lines
+
+
+def overall(steps: list[dict]) -> list[str]:
+    """Tokens per millisecond of plain and speculative steps; the time between steps."""
+    lines = []
+    span = 1000 * (steps[-1]["t"] - steps[0]["t"]) + steps[0]["ms"]
+    for name, part in (
+        ("plain steps", [s for s in steps if not s["num_draft"]]),
+        ("speculative steps", [s for s in steps if s["num_draft"]]),
+    ):
+        ms = sum(s["ms"] for s in part)
+        if part:
+            tokens = sum(s["tokens"] for s in part)
+            lines.append(
+                f"{name}: {len(part)}, {ms:.0f} ms ({100 * ms / span:.0f}% of the span), "
+                f"{tokens} tokens, {tokens / ms:.2f} tokens per ms"
+            )
+    gaps = sum(s["gap_ms"] for s in steps)
+    lines.append(
+        f"between steps (prefill, joins, idle): {gaps:.0f} ms ({100 * gaps / span:.0f}% of "
+        f"the {span / 1000:.2f} s from the first step to the last)"
+    )
+    return lines
+
+
+def timeline(steps: list[dict], width: float) -> list[str]:
+    """Lines of a table of `width`-second bins of the steps (by when they ended)."""
+    bins = defaultdict(list)
+    for s in steps:
+        bins[int(s["t"] / width)].append(s)
+    lines = [
+        "| from (s) | steps | speculative | their ms | median plain ms (B) | between steps ms "
+        "| tokens per s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for b in sorted(bins):
+        part = bins[b]
+        spec = [s for s in part if s["num_draft"]]
+        plain = [s for s in part if not s["num_draft"]]
+        ms = sum(s["ms"] + s["gap_ms"] for s in part) or 1.0
+        median = (
+            f"{statistics.median(s['ms'] for s in plain):.2f} "
+            f"({statistics.median(s['rows'] for s in plain):g})"
+            if plain
+            else "-"
+        )
+        lines.append(
+            f"| {b * width:.1f} | {len(part)} | {len(spec)} | {sum(s['ms'] for s in spec):.0f} "
+            f"| {median} | {sum(s['gap_ms'] for s in part):.0f} "
+            f"| {1000 * sum(s['tokens'] for s in part) / ms:.0f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="a file written by `mlx-spec serve --trace-steps`")
+    p.add_argument("--bins", type=float, metavar="S", help="also a timeline of S-second bins")
+    p.add_argument("--top", type=int, default=15, help="kinds of step listed (default 15)")
+    p.add_argument("--start", type=float, default=0.0, help="steps that ended from S seconds")
+    p.add_argument("--end", type=float, default=float("inf"), help="... until S seconds")
+    args = p.parse_args(argv)
+    if args.bins is not None and args.bins <= 0:
+        print("step_timeline: --bins must be > 0", file=sys.stderr)
+        return 2
+    if not Path(args.trace).is_file():
+        print(f"step_timeline: no such file: {args.trace}", file=sys.stderr)
+        return 2
+    steps = [s for s in load(args.trace) if args.start <= s["t"] <= args.end]
+    if not steps:
+        print("step_timeline: no steps in that file (or stretch)", file=sys.stderr)
+        return 1
+    print("\n".join(overall(steps)))
+    print()
+    print("\n".join(by_kind(steps, args.top)))
+    if args.bins:
+        print()
+        print("\n".join(timeline(steps, args.bins)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
