@@ -478,6 +478,56 @@ def test_serve_trace_steps_reaches_the_engine(target, tmp_path):
     assert batch_engine(model, tok, ServerConfig(), {}).trace is None
 
 
+def test_waiting_tokens_go_out_as_one_piece():
+    """`_Server.output`: the token chunks already queued behind a chunk (a speculative step's
+    tokens, or a reader behind the engine) come out as one string; the last chunk, or an
+    error, still comes after the text before it; a token arriving later is a piece of its
+    own."""
+    from types import SimpleNamespace
+
+    from mlx_spec.api import GenerationChunk
+    from mlx_spec.scheduler import CANCELLED
+    from mlx_spec.server import APIError, _Server
+
+    server = object.__new__(_Server)  # output() reads nothing of the server's state
+    splitter = SimpleNamespace(feed=lambda text: [text] if text else [], finish=lambda: [])
+
+    async def run(later, *queued):
+        job = SimpleNamespace(queue=asyncio.Queue())
+        for item in queued:
+            job.queue.put_nowait(item)
+
+        async def feed():
+            await asyncio.sleep(0.01)
+            for item in later:
+                job.queue.put_nowait(item)
+
+        task = asyncio.ensure_future(feed())
+        out = [item async for item in server.output(job, GenerationChunk("a", 1), splitter)]
+        await task
+        return out
+
+    final = GenerationChunk("", None, finish_reason="length")
+    tokens = [GenerationChunk(t, i) for i, t in enumerate("bcd", start=2)]
+    out = asyncio.run(run([], *tokens, final))
+    assert out == ["abcd", final]
+    out = asyncio.run(run([GenerationChunk("e", 9), final], *tokens))
+    assert out == ["abcd", "e", final]
+    for error, status in ((CANCELLED, 499), (RuntimeError("boom"), 500)):
+        seen = []
+
+        async def collect(error=error, seen=seen):
+            job = SimpleNamespace(queue=asyncio.Queue())
+            for item in [*tokens, error]:
+                job.queue.put_nowait(item)
+            async for item in server.output(job, GenerationChunk("a", 1), splitter):
+                seen.append(item)
+
+        with pytest.raises(APIError) as caught:
+            asyncio.run(collect())
+        assert seen == ["abcd"] and caught.value.status == status
+
+
 def test_sse_format(url):
     """Raw SSE: `data: {json}` events, a role-only first chat delta, `data: [DONE]` last."""
     body = {**OK_CHAT, "stream": True, "temperature": 0}
