@@ -242,7 +242,7 @@ def print_trace(trace: list, wall: float) -> dict:
     catch-up; then where the `wall` seconds of the runs went: plain steps, speculative steps
     (with a catch-up apart) and the rest (prefill, joins, leaving rows), and the speculative
     steps by the policy's reason for them. Returns those shares (for the JSON record)."""
-    parts = ["draft_build", "draft_queue", "verify_build", "verify", "host"]
+    parts = ["choose", "draft_build", "draft_queue", "verify_build", "verify", "host"]
     totals: dict[str, list] = {"plain": [0.0, 0], "speculative": [0.0, 0], "catch-up": [0.0, 0]}
     why: dict[str, list] = {}  # the speculative steps by the policy's reason for them
     for step in trace:

@@ -417,6 +417,11 @@ def mode_configs(modes: list[str], url: str, body: dict, plain_again: bool = Tru
     return configs
 
 
+def marks_file(trace: str) -> str:
+    """Where the runs' times go beside a step trace (`--trace-steps`): TRACE.marks.jsonl."""
+    return f"{trace}.marks.jsonl"
+
+
 def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
     """The load rows of every (label, url, body) at every N: each repeat runs them all back to
     back in a rotated order; the medians over the repeats, each field on its own."""
@@ -428,7 +433,12 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
             shift = repeat % len(configs)
             for label, url, body in configs[shift:] + configs[:shift]:
                 budgets = token_budgets(n, args.requests, args.vary_tokens)
+                start = time.time()
                 row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body, budgets))}
+                if args.trace_steps:  # when each run was, for `step_timeline.py --marks`
+                    mark = {"mode": label, "n": n, "repeat": repeat + 1, "start": start}
+                    with open(marks_file(args.trace_steps), "a") as marks:
+                        marks.write(json.dumps({**mark, "end": time.time()}) + "\n")
                 runs.setdefault((label, n), []).append(row)
                 print(f"[{repeat + 1}/{args.repeats}] " + _format(row), flush=True)
     rows = []
@@ -542,8 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--trace-steps",
         metavar="FILE",
-        help="mlx-spec serve appends each of its engine's steps to FILE (`serve --trace-steps`; "
-        "`python benchmarks/step_timeline.py FILE` summarises them)",
+        help="mlx-spec serve appends each of its engine's steps to FILE (`serve --trace-steps`), "
+        "and each load run's mode, N and times go to FILE.marks.jsonl; `python "
+        "benchmarks/step_timeline.py FILE` summarises them, per run",
     )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")

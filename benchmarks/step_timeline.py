@@ -8,9 +8,13 @@ rows drafted with, the policy's reason, where its milliseconds went and `t`, whe
   step's milliseconds, tokens per step and tokens per millisecond, against plain steps (K = 0);
 - the time between steps (prefills, model drafters taking rows in, an idle server), which no
   step's time holds;
+- where `server_load.py --trace-steps FILE` wrote FILE.marks.jsonl beside it (each load run's
+  mode, N and times), a table per mode and N: the speculative steps' share of the runs,
+  tokens per millisecond of plain and speculative steps, the time between steps, the tail
+  (steps of fewer rows than the run's clients) and tokens per second;
 - with `--bins S`, a timeline of S-second bins: steps, speculative steps and their time, the
   median plain step, the time between steps and the tokens per second, to see where a load's
-  speculative stretches (one mode of `server_load.py`, say) lose or gain.
+  speculative stretches lose or gain.
 
     python benchmarks/server_load.py --concurrency 8 --modes none all --no-peer \\
         --trace-steps steps.jsonl
@@ -27,7 +31,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-SPANS = ("draft_build", "draft_queue", "verify_build", "verify", "host")
+SPANS = ("choose", "draft_build", "draft_queue", "verify_build", "verify", "host")
 
 
 def load(path: str) -> list[dict]:
@@ -40,7 +44,7 @@ def load(path: str) -> list[dict]:
             step = json.loads(line)
         except json.JSONDecodeError:
             continue
-        step["ms"] = 1000 * sum(step[name] for name in SPANS)
+        step["ms"] = 1000 * sum(step.get(name, 0.0) for name in SPANS)  # (older: no choose)
         step["gap_ms"] = 0.0 if last is None else max(0.0, 1000 * (step["t"] - last) - step["ms"])
         step.setdefault("drafters", "")
         last = step["t"]
@@ -125,11 +129,58 @@ def timeline(steps: list[dict], width: float) -> list[str]:
     return lines
 
 
+def load_marks(path: str) -> list[dict]:
+    """The load runs of `server_load.py --trace-steps` (mode, N, repeat, start, end)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def by_run(steps: list[dict], marks: list[dict]) -> list[str]:
+    """Lines of a table of the steps within each marked run, and per mode and N over its
+    runs: the speculative steps' share of the run, tokens per ms of plain and speculative
+    steps, the time between steps, the tail (steps of fewer rows than the run's clients),
+    tokens per second. Steps need `wall` (a trace written by this release's server)."""
+    groups: dict[tuple, list[list[dict]]] = defaultdict(list)
+    for mark in marks:
+        inside = []
+        for s in steps:
+            if "wall" in s and mark["start"] <= s["wall"] <= mark["end"]:
+                since = 1000 * (s["wall"] - mark["start"]) - s["ms"]  # the run's own time
+                inside.append({**s, "gap_ms": max(0.0, min(s["gap_ms"], since))})
+        groups[(mark["mode"], mark["n"])].append((mark, inside))
+    lines = [
+        "| mode | N | runs | speculative steps' share | tokens per ms: plain / speculative "
+        "| between steps | tail (fewer rows than N) | tokens per s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (mode, n), runs in groups.items():
+        part = [s for _, inside in runs for s in inside]
+        wall = sum(mark["end"] - mark["start"] for mark, _ in runs) * 1000 or 1.0
+        spec = [s for s in part if s["num_draft"]]
+        plain = [s for s in part if not s["num_draft"]]
+
+        def rate(kind):
+            ms = sum(s["ms"] for s in kind)
+            return f"{sum(s['tokens'] for s in kind) / ms:.2f}" if ms else "-"
+
+        tail = sum(s["ms"] + s["gap_ms"] for s in part if s["rows"] < n)
+        lines.append(
+            f"| {mode} | {n} | {len(runs)} | {100 * sum(s['ms'] for s in spec) / wall:.0f}% "
+            f"| {rate(plain)} / {rate(spec)} | {100 * sum(s['gap_ms'] for s in part) / wall:.0f}% "
+            f"| {100 * tail / wall:.0f}% | {1000 * sum(s['tokens'] for s in part) / wall:.0f} |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a file written by `mlx-spec serve --trace-steps`")
     p.add_argument("--bins", type=float, metavar="S", help="also a timeline of S-second bins")
     p.add_argument("--top", type=int, default=15, help="kinds of step listed (default 15)")
+    p.add_argument(
+        "--marks",
+        help="the load runs' times (default: TRACE.marks.jsonl, written by `server_load.py "
+        "--trace-steps`, where it exists): also a table per mode and N",
+    )
     p.add_argument("--start", type=float, default=0.0, help="steps that ended from S seconds")
     p.add_argument("--end", type=float, default=float("inf"), help="... until S seconds")
     args = p.parse_args(argv)
@@ -146,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(overall(steps)))
     print()
     print("\n".join(by_kind(steps, args.top)))
+    marks = args.marks or f"{args.trace}.marks.jsonl"
+    if Path(marks).is_file():
+        print()
+        print("\n".join(by_run(steps, load_marks(marks))))
+    elif args.marks:
+        print(f"step_timeline: no such file: {args.marks}", file=sys.stderr)
+        return 2
     if args.bins:
         print()
         print("\n".join(timeline(steps, args.bins)))

@@ -149,7 +149,8 @@ class _Row:
 @dataclass
 class StepTrace:
     """Where one step's seconds went (`BatchEngine.trace`): rows B, drafts K, catch-up
-    tokens, the tokens it emitted over its rows; `draft_build`: building the drafters' graphs
+    tokens, the tokens it emitted over its rows; `choose` (a speculative step's, below the
+    fields): the rows' asks and the policy's plan; `draft_build`: building the drafters' graphs
     (the device idle); `draft_queue`: queueing them (on a CPU, MLX returns only once a
     bounded number of its operations are still pending, so this runs most of the drafting);
     `verify_build`: building the verifying pass while the drafts finish; `verify`: waiting
@@ -173,12 +174,16 @@ class StepTrace:
     held: float = 0.0
     why: str = "best"  # the policy's reason for the step (`BatchChoice.why`)
     drafters: str = ""  # the drafters its rows drafted with, "+"-joined ("": a plain step)
+    # A speculative step's choice before `draft_build`: the rows' asks (each row's n-gram
+    # lookup, its drafters' backlogs) and the policy's plan, the device idle.
+    choose: float = 0.0
 
 
 class StepLog:
     """A step trace written as the engine runs (`serve --trace-steps FILE`): each `StepTrace`
-    one JSON line, its fields and `t`, the seconds since the log was opened, appended where
-    the engine would append to its `trace` list. Lines are flushed one by one, so a server
+    one JSON line, its fields, `t` (the seconds since the log was opened) and `wall` (the
+    clock's time, Unix seconds: what a client's own marks line up with), appended where the
+    engine would append to its `trace` list. Lines are flushed one by one, so a server
     stopped at any moment leaves every step it ran."""
 
     def __init__(self, path: str | os.PathLike):
@@ -186,8 +191,9 @@ class StepLog:
         self.start = time.perf_counter()
 
     def append(self, step: StepTrace) -> None:
-        t = round(time.perf_counter() - self.start, 4)
-        self.file.write(json.dumps({**asdict(step), "t": t}) + "\n")
+        t = time.perf_counter() - self.start
+        line = {**asdict(step), "t": round(t, 4), "wall": round(time.time(), 4)}
+        self.file.write(json.dumps(line) + "\n")
 
 
 @dataclass
@@ -1027,7 +1033,15 @@ class BatchEngine:
             drafters = "+".join(self.names[a] for a in arms)
             self.trace.append(
                 StepTrace(
-                    len(rows), k, choice.catch_up, tokens, *spans, *widths, choice.why, drafters
+                    len(rows),
+                    k,
+                    choice.catch_up,
+                    tokens,
+                    *spans,
+                    *widths,
+                    choice.why,
+                    drafters,
+                    choose=max(0.0, tic - self._last_decode),
                 )
             )
 

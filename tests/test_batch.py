@@ -282,7 +282,9 @@ def test_engine_trace_records_each_step(loaded):
     assert 0 < drafted <= sum(t.rows * t.num_draft for t in spec)
     assert plain and all(t.tokens <= t.rows and t.verify > 0 for t in plain)
     assert all(t.draft_build == t.draft_queue == t.verify_build == t.host == 0 for t in plain)
-    spans = [[t.draft_build, t.draft_queue, t.verify_build, t.verify, t.host] for t in spec]
+    assert all(t.choose == 0 for t in plain) and any(t.choose > 0 for t in spec)
+    spans = [[t.choose, t.draft_build, t.draft_queue, t.verify_build, t.verify, t.host]
+             for t in spec]  # fmt: skip
     assert all(s >= 0 for step in spans for s in step)
     assert sum(map(sum, spans)) + sum(t.verify for t in plain) < seconds
     assert sum(t.tokens for t in engine.trace) < sum(len(tokens) for tokens, _ in results)
@@ -316,8 +318,9 @@ def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
     lines = path.read_text().splitlines()
     steps = [json.loads(line) for line in lines]
     assert len(steps) > 4 and all(line.endswith("}") for line in lines)
-    fields = set(StepTrace.__dataclass_fields__) | {"t"}
+    fields = set(StepTrace.__dataclass_fields__) | {"t", "wall"}
     assert all(set(step) == fields for step in steps)
+    assert all(abs(step["wall"] - time.time()) < 600 for step in steps)  # the clock's time
     times = [step["t"] for step in steps]
     assert times == sorted(times) and times[0] >= 0
     spec = [step for step in steps if step["num_draft"]]
@@ -334,6 +337,18 @@ def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
     table = timeline.by_kind(read)
     assert sum(int(line.split("|")[5]) for line in table[2:]) == len(steps)
     assert timeline.main([str(path), "--bins", "0.05"]) == 0
+    # Marks of the load runs (`server_load.py --trace-steps`): a table per mode and N, each
+    # run's steps those whose clock time falls in it.
+    middle = steps[len(steps) // 2]["wall"]
+    marks = [
+        {"mode": "all", "n": 3, "repeat": 1, "start": steps[0]["wall"] - 1, "end": middle},
+        {"mode": "all", "n": 3, "repeat": 2, "start": middle + 1e-6, "end": time.time()},
+    ]
+    table = timeline.by_run(read, marks)
+    assert len(table) == 3 and table[2].startswith("| all | 3 | 2 |")
+    assert float(table[2].rsplit("|", 2)[1]) > 0  # tokens per second
+    (tmp_path / "steps.jsonl.marks.jsonl").write_text("\n".join(map(json.dumps, marks)))
+    assert timeline.main([str(path)]) == 0
     assert timeline.main([str(tmp_path / "missing.jsonl")]) == 2
 
 

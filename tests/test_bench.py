@@ -363,8 +363,8 @@ def test_batch_engine_trace_splits_the_wall_time_and_the_reasons(capsys):
     trace = [
         StepTrace(8, 0, 0, 8, 0.0, 0.0, 0.0, 0.010, 0.0),  # a plain step: 10 ms
         StepTrace(8, 2, 0, 16, 0.001, 0.001, 0.001, 0.010, 0.001, why="best"),  # 14 ms
-        StepTrace(8, 3, 12, 12, 0.002, 0.003, 0.001, 0.012, 0.002, why="explore"),  # 20 ms
-    ]
+        StepTrace(8, 3, 12, 12, 0.002, 0.003, 0.001, 0.011, 0.002, why="explore", choose=0.001),
+    ]  # the last: 20 ms, its choice among them
     out = _benchmark("batch_engine").print_trace(trace, wall=0.050)
     shares = out["wall_shares"]
     assert shares["plain"] == pytest.approx(0.2)
