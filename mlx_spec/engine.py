@@ -175,7 +175,8 @@ class StepTrace:
     why: str = "best"  # the policy's reason for the step (`BatchChoice.why`)
     drafters: str = ""  # the drafters its rows drafted with, "+"-joined ("": a plain step)
     # A speculative step's choice before `draft_build`: the rows' asks (each row's n-gram
-    # lookup, its drafters' backlogs) and the policy's plan, the device idle.
+    # lookup, its drafters' backlogs) and the policy's plan, the device idle (on a switch out
+    # of plain decoding, reading the plain step still queued too).
     choose: float = 0.0
 
 
