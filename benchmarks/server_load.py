@@ -435,7 +435,7 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
                 budgets = token_budgets(n, args.requests, args.vary_tokens)
                 start = time.time()
                 row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body, budgets))}
-                if args.trace_steps:  # when each run was, for `step_timeline.py --marks`
+                if args.trace_steps:  # when each run was, for `mlx-spec steps`
                     mark = {"mode": label, "n": n, "repeat": repeat + 1, "start": start}
                     with open(marks_file(args.trace_steps), "a") as marks:
                         marks.write(json.dumps({**mark, "end": time.time()}) + "\n")
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="mlx-spec serve appends each of its engine's steps to FILE (`serve --trace-steps`), "
         "and each load run's mode, N and times go to FILE.marks.jsonl; `python "
-        "benchmarks/step_timeline.py FILE` summarises them, per run",
+        "mlx-spec steps FILE` summarises them, per run",
     )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")

@@ -770,7 +770,7 @@ def _add_serve(sub) -> None:
         metavar="FILE",
         help="append each step of the batch engine to FILE as a JSON line (rows, drafts, the "
         "drafters, where its milliseconds went, the policy's reason): why speculation pays "
-        "or not under your load; `python benchmarks/step_timeline.py FILE` summarises it",
+        "or not under your load; `mlx-spec steps FILE` summarises it",
     )
     p.add_argument(
         "--no-batching",
@@ -907,6 +907,19 @@ def _quiet_third_parties() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _add_steps(sub) -> None:
+    from mlx_spec import step_timeline
+
+    p = sub.add_parser(
+        "steps",
+        help="summarise a server's step trace (serve --trace-steps FILE)",
+        description=step_timeline.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    step_timeline.add_arguments(p)
+    p.set_defaults(func=step_timeline.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-spec",
@@ -921,6 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_chat(sub)
     _add_serve(sub)
+    _add_steps(sub)
     info = sub.add_parser("info", help="versions, device and the BLAS MLX uses")
     info.set_defaults(func=cmd_info)
     return parser
@@ -942,7 +956,7 @@ def _main(args) -> int:
     from mlx_spec import distributed
 
     try:
-        if args.command != "info":
+        if args.command not in ("info", "steps"):
             args.group = distributed.world()
         distributed.quiet_other_ranks(args.group)
         if args.group is not None:

@@ -282,7 +282,7 @@ class ServerConfig:
             the batch's throughput alone decides.
         trace_steps: a file the batch engine appends each step's trace to, one JSON line a
             step (`StepLog`: rows, drafts, drafters, where its time went, the policy's reason;
-            `benchmarks/step_timeline.py` summarises it). None: no trace.
+            `mlx-spec steps FILE` summarises it). None: no trace.
     """
 
     model_id: str = "model"

@@ -29,7 +29,6 @@ import pytest
 from chisquare import chisquare_pvalue
 from conftest import with_eos
 from mlx_lm.models.cache import make_prompt_cache
-from test_bench import _benchmark
 from test_distribution import CONFIGS, LENGTH, PROMPT, exact_distribution, pair  # noqa: F401
 
 ALPHA = 1e-3
@@ -306,7 +305,7 @@ def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
     """`StepLog` (`serve --trace-steps`): the engine writes each step as a JSON line while it
     runs, as it would append it to its trace list: the same fields, the drafters a speculative
     step's rows drafted with (none for a plain one) and a time that never goes back; the
-    same tokens as without it. `benchmarks/step_timeline.py` reads it back."""
+    same tokens as without it. `mlx-spec steps` reads it back."""
     model, tok, draft, _ = loaded["llama"]
     vocab = scored_vocab(model, tok)
     requests = busy_requests(vocab, "all", 3, n=4) + busy_requests(vocab, None, 0, n=2)
@@ -330,7 +329,8 @@ def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
     drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
     engine = engine_for(model, tok, drafters, max_batch=3)
     assert [tokens for tokens, _ in run_all(engine, requests)] == [t for t, _ in first]
-    timeline = _benchmark("step_timeline")
+    from mlx_spec import step_timeline as timeline
+
     read = timeline.load(str(path))
     assert [step["tokens"] for step in read] == [step["tokens"] for step in steps]
     assert all(step["ms"] > 0 and step["gap_ms"] >= 0 for step in read)
@@ -349,6 +349,10 @@ def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
     assert float(table[2].rsplit("|", 2)[1]) > 0  # tokens per second
     (tmp_path / "steps.jsonl.marks.jsonl").write_text("\n".join(map(json.dumps, marks)))
     assert timeline.main([str(path)]) == 0
+    from mlx_spec.cli import main as cli
+
+    assert cli(["steps", str(path), "--top", "3"]) == 0  # `mlx-spec steps`
+    assert cli(["steps", str(tmp_path / "missing.jsonl")]) == 2
     assert timeline.main([str(tmp_path / "missing.jsonl")]) == 2
 
 

@@ -1,4 +1,4 @@
-"""Summarise a server's step trace (`mlx-spec serve --trace-steps FILE`).
+"""Summarise a server's step trace (`mlx-spec serve --trace-steps FILE`): `mlx-spec steps FILE`.
 
 Each line of the file is one step of the batch engine: its rows B, drafts K, the drafters its
 rows drafted with, the policy's reason, where its milliseconds went and `t`, when it ended
@@ -16,10 +16,12 @@ rows drafted with, the policy's reason, where its milliseconds went and `t`, whe
   median plain step, the time between steps and the tokens per second, to see where a load's
   speculative stretches lose or gain.
 
+    mlx-spec serve --trace-steps steps.jsonl        # then run a load against it
+    mlx-spec steps steps.jsonl --bins 0.4
+    mlx-spec steps steps.jsonl --start 9.0 --end 10.8   # one stretch
     python benchmarks/server_load.py --concurrency 8 --modes none all --no-peer \\
-        --trace-steps steps.jsonl
-    python benchmarks/step_timeline.py steps.jsonl --bins 0.4
-    python benchmarks/step_timeline.py steps.jsonl --start 9.0 --end 10.8   # one stretch
+        --trace-steps steps.jsonl                      # with the table per mode and N
+    mlx-spec steps steps.jsonl
 """
 
 from __future__ import annotations
@@ -171,8 +173,8 @@ def by_run(steps: list[dict], marks: list[dict]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `mlx-spec steps`."""
     p.add_argument("trace", help="a file written by `mlx-spec serve --trace-steps`")
     p.add_argument("--bins", type=float, metavar="S", help="also a timeline of S-second bins")
     p.add_argument("--top", type=int, default=15, help="kinds of step listed (default 15)")
@@ -183,16 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--start", type=float, default=0.0, help="steps that ended from S seconds")
     p.add_argument("--end", type=float, default=float("inf"), help="... until S seconds")
-    args = p.parse_args(argv)
+
+
+def run(args) -> int:
+    """Print the summary of `args.trace`; 2 on bad input, 1 when it holds no steps."""
     if args.bins is not None and args.bins <= 0:
-        print("step_timeline: --bins must be > 0", file=sys.stderr)
+        print("mlx-spec steps: --bins must be > 0", file=sys.stderr)
         return 2
     if not Path(args.trace).is_file():
-        print(f"step_timeline: no such file: {args.trace}", file=sys.stderr)
+        print(f"mlx-spec steps: no such file: {args.trace}", file=sys.stderr)
         return 2
     steps = [s for s in load(args.trace) if args.start <= s["t"] <= args.end]
     if not steps:
-        print("step_timeline: no steps in that file (or stretch)", file=sys.stderr)
+        print("mlx-spec steps: no steps in that file (or stretch)", file=sys.stderr)
         return 1
     print("\n".join(overall(steps)))
     print()
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("\n".join(by_run(steps, load_marks(marks))))
     elif args.marks:
-        print(f"step_timeline: no such file: {args.marks}", file=sys.stderr)
+        print(f"mlx-spec steps: no such file: {args.marks}", file=sys.stderr)
         return 2
     if args.bins:
         print()
@@ -210,5 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mlx-spec steps", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
