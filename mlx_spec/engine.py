@@ -834,6 +834,10 @@ class BatchEngine:
         free = all(not isinstance(r.request.num_draft, int) for r in rows)
         choice = self.policy.barred(len(rows), {a for r in rows for a in r.arms}, free)
         if choice is None:  # the guard's plain window does not decide it: the rows ask
+            # Every slot taken, nothing waiting or joining: a closed batch, which ends in the
+            # tail of the rows its steps let drift apart (`BatchDraftPolicy.closed_tie`).
+            full = len(rows) >= self.max_batch
+            self.policy.closed = full and not self.waiting and self._joining is None
             choice = self.policy.choose([self._ask(r) for r in rows])
         choice = self._shared(choice)
         plain = not any(k for _, k in choice.rows)

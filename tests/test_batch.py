@@ -826,6 +826,51 @@ def test_batch_policy_learns_a_width_that_costs_less_than_its_neighbours():
     assert sum(k == 1 for k in ks[-100:]) >= 80
 
 
+def test_the_engine_tells_the_policy_when_its_batch_is_closed(loaded):
+    """The engine marks a step's batch closed (`BatchDraftPolicy.closed`) only when every slot
+    is taken and no request waits or joins: 5 requests in 3 slots wait at first (open), the
+    last 3 running fill them with none behind (closed)."""
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3)
+    seen, choose = [], engine.policy.choose
+
+    def watched(asks):
+        seen.append((len(asks), bool(engine.waiting), engine.policy.closed))
+        return choose(asks)
+
+    engine.policy.choose = watched
+    requests = busy_requests(scored_vocab(model, tok), "ngram", "auto", n=5)
+    run_all(engine, requests)
+    assert all(closed == (rows == 3 and not waiting) for rows, waiting, closed in seen)
+    assert any(closed for *_, closed in seen) and any(waiting for _, waiting, _ in seen)
+
+
+def test_a_closed_batch_takes_the_narrowest_width_near_the_best():
+    """Every slot taken and nothing waiting (`closed`): rows drafting wider drift apart and
+    the batch ends in a tail of the rows whose drafts failed, so the policy takes the
+    narrowest K whose rate is within `closed_tie` of the best's (on a CPU's steps of 8 rows,
+    K = 1 for K = 3). Where wider passes cost little more (a memory-bound pass), they
+    stay far ahead and a closed batch keeps them; a batch that is not closed, and a lone
+    row, keep the best width."""
+    cpu = {1: 13e-3, 2: 17e-3, 3: 20e-3, 4: 22e-3}
+
+    def dear(width):
+        return cpu.get(width, 6e-3 * width)
+
+    def cheap(width):
+        return 3e-3 + 0.1e-3 * width
+
+    def run(closed, cost, rows=8):
+        policy = BatchDraftPolicy(["draft"], guard=False)  # the policy's own choices
+        policy.closed = closed
+        ks = drive(policy, rows=rows, accept=0.7, token_cost=0, cost=cost)[-100:]
+        return collections.Counter(ks)
+
+    opened, closed = run(False, dear), run(True, dear)
+    assert closed[1] >= 70 and opened[1] <= 20 and opened[3] >= 70  # (exploring: 1 in 8)
+    assert run(True, cheap)[1] == 0 and run(True, dear, rows=1)[1] <= 20
+
+
 def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
     """A policy that has seen steps of K = 2 .. 4 only (at B = 8 its K = 1 steps all came
     after plain stretches, with a catch-up, which the widths' own costs leave out) prices
