@@ -553,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         "--trace-steps",
         metavar="FILE",
         help="mlx-spec serve appends each of its engine's steps to FILE (`serve --trace-steps`), "
-        "and each load run's mode, N and times go to FILE.marks.jsonl; `python "
-        "mlx-spec steps FILE` summarises them, per run",
+        "and each load run's mode, N and times go to FILE.marks.jsonl; `mlx-spec steps "
+        "FILE` summarises them, per run",
     )
     p.add_argument("--quick", action="store_true", help="N = 1 and 4, 1 request, 32 tokens")
     p.add_argument("--json", help="write the results here")
