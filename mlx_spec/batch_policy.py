@@ -49,14 +49,17 @@ cheaper drafter, rows skip the pass, and take the drafter in later if the batch 
 size where it pays (fewer rows: the end of a busy spell).
 
 A closed batch (every slot taken, nothing waiting to join: the engine's `closed`, each
-step) ends when its slowest row does. Rows drafting K tokens gain 1..K+1 tokens a step, so
-the wider the steps the further the rows drift apart, and the batch ends in a tail of the
-rows whose drafts failed, a few rows at a time (on a 2-core x86 a step of 3 rows costs 0.8
-of a step of 8): 27-36% of an 8-client run of the lookup through the server. There the
-policy takes the narrowest K whose plan's rate is within `closed_tie` of the best plan's
-(and still beats plain decoding by the margin): on that CPU K = 1 for K = 3's 0.9, where
-wider passes cost little more (a memory-bound pass) the wide ones stay far ahead. A lone
-row and an open batch keep the best K.
+step) ends when its last row does. Rows drafting K tokens gain 1..K+1 tokens a step, so the
+wider the steps the further the rows drift apart, and the batch ends in a tail of the rows
+whose drafts failed, a few rows at a time, at the dearer steps' price (on a 2-core x86 a
+step of 3 rows costs 0.8 of a step of 8; on a GPU about as much): 27-36% of an 8-client
+run of the lookup through the server on that CPU, 25% of the group's on an H100. There
+the policy prices each K's best plan, and plain decoding, by when it would end the batch
+(`_finish_rate`: each row's budget at its expected tokens a step, spread by their
+variance, the batch narrowing as rows end), and takes the one that ends it first,
+speculation by the margin: a row whose drafts fail ends no sooner than plain decoding
+would end it, at dearer steps, so the K that wins is the one its rows' slowest can bear.
+A lone row and an open batch keep the best K by rate (a freed slot is filled again).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
 plain steps broken, rows out of step) a guard measures per drafter at 2 rows or more, and
@@ -69,7 +72,9 @@ now and then (`_Guard`).
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
 from mlx_spec.policy import _ema, chain_acceptance, count_round, expected_tokens
@@ -96,6 +101,11 @@ class RowAsk:
         behind: the row has fallen behind the pace plain decoding would have kept by more
             than it may (the engine's ledger, `BatchEngine.pace_slack`): no step may be
             expected to slow it further (`_Merged.slows`).
+        left: the tokens it may still emit (its budget; 0: not told, as `UNTOLD_LEFT`): a
+            closed batch's choice weighs when each row will end (`_finish_rate`).
+        drafting: the share of its recent asks that had drafts to be had (`RowRecord`): an
+            n-gram lookup finds none on some steps, and a row's pace to its end is its
+            drafts' on those that do.
     """
 
     arms: list[int]
@@ -106,6 +116,8 @@ class RowAsk:
     own: list = field(default_factory=list)
     levels: list[int] = field(default_factory=list)
     behind: bool = False
+    left: int = 0
+    drafting: float = 1.0
 
     def level(self, arm: int) -> int:
         return self.levels[self.arms.index(arm)] if self.levels else 0
@@ -139,8 +151,12 @@ class RowRecord:
     first rounds held the row to them long after."""
 
     own: dict = field(default_factory=dict)
+    # The share of its recent asks with drafts to be had (`RowAsk.drafting`), each ask
+    # weighing 1 / (1 - HAD) times the one before it.
+    had: float = 1.0
 
     DECAY = 0.7
+    HAD = 0.85
 
     def drafted(self, arm: int, asked: int, accepted: int) -> None:
         """The row asked drafter `arm` for `asked` drafts and kept `accepted`."""
@@ -153,13 +169,34 @@ class RowRecord:
         count_round(hits, trials, asked, accepted)
 
     def ask(
-        self, arms: list[int], fixed, limit: int, available: list, backlog: list, behind=False
+        self,
+        arms: list[int],
+        fixed,
+        limit: int,
+        available: list,
+        backlog: list,
+        behind=False,
+        left: int = 0,
     ) -> RowAsk:
         own = [self.own.get(a) for a in arms]
-        return RowAsk(arms, fixed, limit, available, backlog, own, behind=behind)
+        if arms and limit > 0:
+            has = any(a is None or a > 0 for a in available)
+            self.had = self.HAD * self.had + (1.0 - self.HAD) * has
+        ask = RowAsk(arms, fixed, limit, available, backlog, own, behind=behind, left=left)
+        ask.drafting = self.had
+        return ask
 
 
 LEVELS = 4  # acceptance levels per doubling (`_Gains.of`)
+UNTOLD_LEFT = 64  # a row's tokens still to emit where its ask does not tell (`RowAsk.left`)
+
+
+@functools.cache
+def _order_statistics(count: int) -> tuple[float, ...]:
+    """The expected order statistics of `count` standard normal draws, least first (Blom's
+    approximation)."""
+    normal = statistics.NormalDist()
+    return tuple(normal.inv_cdf((j + 0.625) / (count + 0.25)) for j in range(count))
 
 
 class _Gains(list):
@@ -177,9 +214,28 @@ class _Gains(list):
             return self[arm]
         key = (arm, level)
         if key not in self._scaled:
-            scale = 2.0 ** (level / LEVELS)
-            accept = [min(0.98, a * scale) for a in self.acceptance[arm]]
+            accept = self._accept(arm, level)
             self._scaled[key] = [expected_tokens(accept, k) for k in range(len(self[arm]))]
+        return self._scaled[key]
+
+    def _accept(self, arm: int, level: int) -> list[float]:
+        scale = 2.0 ** (level / LEVELS)
+        return [min(0.98, a * scale) for a in self.acceptance[arm]]
+
+    def variance(self, arm: int, level: int = 0) -> list[float]:
+        """Per k, the variance of the tokens a round of k drafts emits (as `of`'s E(k)):
+        j + 1 tokens where the first j drafts are kept and the next is not."""
+        key = ("variance", arm, level)
+        if key not in self._scaled:
+            accept, out = self._accept(arm, level), [0.0]
+            for k in range(1, len(self[arm])):
+                reach, first, second = 1.0, 0.0, 0.0  # P(j drafts kept), E(t), E(t^2)
+                for j in range(k + 1):
+                    stop = reach * (1.0 - accept[j]) if j < k else reach
+                    first, second = first + stop * (j + 1), second + stop * (j + 1) ** 2
+                    reach *= accept[j] if j < k else 0.0
+                out.append(max(0.0, second - first * first))
+            self._scaled[key] = out
         return self._scaled[key]
 
 
@@ -685,9 +741,8 @@ class BatchDraftPolicy:
             against what the drafter's acceptance over all rows expects of the positions it
             reached, each side with this many pseudo-drafts kept as expected (0: every row
             at the drafter's acceptance).
-        closed_tie: in a closed batch (`closed`: every slot taken, nothing waiting), the
-            narrowest K whose plan's rate is within this share of the best's is taken (0:
-            the best, as in any batch).
+        finish: in a closed batch (`closed`: every slot taken, nothing waiting), choose K
+            by when it would end the batch (`_finish_rate`); False: by rate, as any batch.
 
     The search over K stops past best + 1 at a K whose best plan promises under
     `stop_below` (0.85) of the best rate, and never goes beyond what a row can draft.
@@ -717,13 +772,12 @@ class BatchDraftPolicy:
         alone=(),
         chained=(),
         own_weight: float = 2.0,
-        closed_tie: float = 0.15,
+        finish: bool = True,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         # A closed batch (`closed`, set by the engine each step: every slot taken, nothing
-        # waiting to join) takes the narrowest K whose plan's rate is within `closed_tie` of
-        # the best's (see the module).
-        self.closed, self.closed_tie = False, closed_tie
+        # waiting to join) takes the K that ends it first (see the module).
+        self.closed, self.finish = False, finish
         self.hits = [[0.0] * max_draft for _ in arms]
         self.trials = [[0.0] * max_draft for _ in arms]
         self.prior_accept, self.prior_weight, self.decay = prior_accept, prior_weight, decay
@@ -1063,7 +1117,24 @@ class BatchDraftPolicy:
         if held_back:
             best = held
         needed = self.margin / 2 if self._speculating else self.margin
-        if not held_back and best[0] > plain_rate * (1 + needed):
+        speculate = not held_back and best[0] > plain_rate * (1 + needed)
+        ending, why = None, "best"
+        if speculate and self.closed and self.finish and len(asks) > 1:
+            # A closed batch ends when its last row does: each K (its best plan) and plain
+            # decoding priced by when they would end it (`_finish_rate`).
+            ending = {}
+            for big_k, (plan, shape, _, _) in plans.items():
+                if big_k <= best[1]:
+                    spread = merged.catch_up(plan) / self._horizon(shape[2])
+                    ending[big_k] = self._finish_rate(merged, plan, shape, spread, accept)
+            plain_end = self._finish_rate(merged, None, None, 0.0, accept)
+            finish = max(ending, key=ending.get)
+            if ending[finish] <= plain_end * (1 + needed):
+                # Plain decoding ends it first: a probe's loss is priced as the end is.
+                speculate, why = False, "closed"
+                rate = plain_rate * ending[finish] / plain_end
+                best = (rate, finish, plans[finish][0], plans[finish][3])
+        if speculate:
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
@@ -1080,13 +1151,9 @@ class BatchDraftPolicy:
                 big_k = self._explore(best[1], plans)
                 rows = merged.rows(plans[big_k][0])
                 return self._choice(asks, big_k, rows, only=plans[big_k][3], why="explore")
-            if self.closed and len(asks) > 1:
-                # Rows drafting wider drift apart, and a closed batch ends in their tail.
-                floor = max((1 - self.closed_tie) * best[0], plain_rate * (1 + needed))
-                narrow = min(k for k, p in plans.items() if p[2] >= floor or k == best[1])
-                if narrow < best[1]:
-                    plan, _, _, only = plans[narrow]
-                    return self._choice(asks, narrow, merged.rows(plan), only=only)
+            if ending is not None and finish != best[1]:
+                plan, _, _, only = plans[finish]
+                return self._choice(asks, finish, merged.rows(plan), only=only, why="closed")
             return self._choice(asks, best[1], merged.rows(best[2]), only=best[3])
         self._speculating = False
         if self._since_spec >= self._probe_every:
@@ -1109,7 +1176,57 @@ class BatchDraftPolicy:
             return self._choice(asks, probe[1], rows, probe=True, only=probe[3], why="probe")
         if signature is not None:
             self._quiet = [signature, self.recheck - 1]
-        return BatchChoice(0, plain_rows)
+        return BatchChoice(0, plain_rows, why=why)
+
+    def _finish_rate(self, merged: _Merged, plan, shape, spread: float, gains) -> float:
+        """Tokens per second of a closed batch's rows to the end of their budgets
+        (`RowAsk.left`) were every step drafted as `plan` (per distinct ask; None: plain
+        decoding), the batch growing narrower as rows end.
+
+        Row i ends after about n_i = L_i / E_i steps, E_i its tokens a step: 1 + d_i (E(k)
+        - 1), with d_i the share of its recent steps that had drafts to be had
+        (`RowAsk.drafting`; a row with none now is priced at its drafter's E(k) for when it
+        has). The tokens of a row's rounds vary (1 .. k + 1: `_Gains.variance`), so n_i has
+        a standard deviation of sqrt(L_i V_i / E_i^3), and of B rows alike the last ends
+        about 1.4 of them after their mean (B = 8: the expected order statistics of B
+        normal draws, `_order_statistics`). The rows end in the order of their means, each
+        at its mean moved by its rank's order statistic, and the time is the sum over the
+        stretches between endings of their steps at the rows still running. A plan that
+        draws more tokens a step from rows that keep their drafts and as many from those
+        that do not ends the batch no sooner than plain decoding would: the rows left in
+        its tail decode at its dearer steps."""
+        ends, total = [], 0.0
+        for ask, i in zip(merged.asks, merged.of_row, strict=True):
+            left = float(ask.left or UNTOLD_LEFT)
+            total += left
+            gain, variance = 1.0, 0.0
+            if plan is not None:
+                distinct, (arm, k) = merged.distinct[i], plan[i]
+                if arm is None or k <= 0:  # none to be had now: its drafter's at K later
+                    k = min(shape[1], distinct.limit) if distinct.fixed is None else 0
+                    levels = {a: distinct.level(a) for a in distinct.arms}
+                    arm = max(levels, key=lambda a: gains.of(a, levels[a])[k], default=None)
+                if arm is not None and k > 0:
+                    drafted = gains.of(arm, distinct.level(arm))[k] - 1.0
+                    varies = gains.variance(arm, distinct.level(arm))[k]
+                    # A step with drafts gains 1 + drafted, one without 1.
+                    had = ask.drafting
+                    gain = 1.0 + had * drafted
+                    variance = had * varies + had * (1.0 - had) * drafted**2
+            ends.append((left / gain, math.sqrt(left * variance / gain**3)))
+        ends.sort()
+        order = _order_statistics(len(ends))
+        steps = sorted(mean + z * sd for (mean, sd), z in zip(ends, order, strict=True))
+        seconds, before, rows = 0.0, 0.0, len(steps)
+        for end in steps:
+            if end > before:
+                if plan is None:
+                    step = self.costs.plain_seconds(rows)
+                else:
+                    step = self.costs.seconds(rows, shape[1], shape[2], spread)
+                seconds, before = seconds + (end - before) * step, end
+            rows -= 1
+        return total / seconds if seconds > 0 else 0.0
 
     @staticmethod
     def _signature(asks: list[RowAsk]) -> tuple | None:

@@ -803,6 +803,7 @@ class BatchEngine:
         limit = request.max_tokens - row.produced - 1
         if self.context is not None:
             limit = min(limit, self.context - len(row.tokens) - 1)
+        left = limit + 1  # the tokens it may still emit
         fixed = request.num_draft if isinstance(request.num_draft, int) else None
         limit = max(0, min(limit, self.max_draft if fixed is None else fixed))
         if row.first_pending:  # its first token is drawn alone, as after a prefill: a seeded
@@ -811,7 +812,7 @@ class BatchEngine:
         available = [d.available(row.id, limit) for d in drafters]
         backlog = [d.backlog(row.id) for d in drafters]
         behind = self.pace_slack is not None and row.lag > self.pace_slack * row.paced
-        return row.record.ask(row.arms, fixed, limit, available, backlog, behind)
+        return row.record.ask(row.arms, fixed, limit, available, backlog, behind, left)
 
     def _decode(self) -> None:
         self._join_late()
@@ -834,8 +835,8 @@ class BatchEngine:
         free = all(not isinstance(r.request.num_draft, int) for r in rows)
         choice = self.policy.barred(len(rows), {a for r in rows for a in r.arms}, free)
         if choice is None:  # the guard's plain window does not decide it: the rows ask
-            # Every slot taken, nothing waiting or joining: a closed batch, which ends in the
-            # tail of the rows its steps let drift apart (`BatchDraftPolicy.closed_tie`).
+            # Every slot taken, nothing waiting or joining: a closed batch, which ends when
+            # its last row does (`BatchDraftPolicy._finish_rate`).
             full = len(rows) >= self.max_batch
             self.policy.closed = full and not self.waiting and self._joining is None
             choice = self.policy.choose([self._ask(r) for r in rows])

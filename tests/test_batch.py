@@ -17,7 +17,7 @@ import mlx_spec.batch_sampling
 from convert import convert_checkpoint
 from mlx_spec.batch_cache import BatchCache, batchable
 from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
-from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk
+from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowRecord
 from mlx_spec.compat import scored_vocab
 from mlx_spec.engine import IDLE_RESET, BatchEngine, BatchRequest, StepLog, StepTrace
 from mlx_spec.prompt_cache import RowCache
@@ -845,30 +845,70 @@ def test_the_engine_tells_the_policy_when_its_batch_is_closed(loaded):
     assert any(closed for *_, closed in seen) and any(waiting for _, waiting, _ in seen)
 
 
-def test_a_closed_batch_takes_the_narrowest_width_near_the_best():
-    """Every slot taken and nothing waiting (`closed`): rows drafting wider drift apart and
-    the batch ends in a tail of the rows whose drafts failed, so the policy takes the
-    narrowest K whose rate is within `closed_tie` of the best's (on a CPU's steps of 8 rows,
-    K = 1 for K = 3). Where wider passes cost little more (a memory-bound pass), they
-    stay far ahead and a closed batch keeps them; a batch that is not closed, and a lone
-    row, keep the best width."""
-    cpu = {1: 13e-3, 2: 17e-3, 3: 20e-3, 4: 22e-3}
+def closed_batch(policy, accepts, cost, rng, budget=64):
+    """Run one closed batch to its end: a row per acceptance in `accepts` (each of its drafts
+    kept with that probability), each with `budget` tokens to emit, no row joining; a step
+    of b rows verifying w tokens a row costs `cost(b, w)` seconds (policy None: plain
+    decoding). The batch's seconds."""
+    rows = [[accept, RowRecord(), budget] for accept in accepts]
+    seconds = 0.0
+    while rows:
+        choice = None
+        if policy is not None:
+            policy.closed = True
+            asks = [
+                r.ask([0], None, min(8, left - 1), [None], [], left=left) for _, r, left in rows
+            ]
+            choice = policy.choose(asks)
+        plan = choice.rows if choice is not None else [(None, 0)] * len(rows)
+        outcomes = []
+        for row, (_, k) in zip(rows, plan, strict=True):
+            kept = 0
+            while kept < k and rng.random() < row[0]:
+                kept += 1
+            outcomes.append((k, kept))
+            if k:
+                row[1].drafted(0, k, kept)
+            row[2] -= min(row[2], kept + 1)
+        step = cost(len(rows), 1 + max(k for _, k in plan))
+        seconds += step
+        if choice is not None:
+            policy.observe(plan, outcomes, step, window=choice.window)
+        rows = [row for row in rows if row[2] > 0]
+    return seconds
 
-    def dear(width):
-        return cpu.get(width, 6e-3 * width)
 
-    def cheap(width):
-        return 3e-3 + 0.1e-3 * width
+def test_a_closed_batch_is_priced_by_when_it_ends():
+    """Every slot taken and nothing waiting (`closed`): the batch ends with its last row, and
+    rows whose drafts fail end no sooner under speculation, at dearer steps. Where a wider
+    pass costs little more (memory-bound: a tail of few rows costs nearly a full step),
+    choosing K by rate ran batches of rows that keep 5-90% of their drafts slower than
+    plain decoding; priced by when the batch ends (`_finish_rate`), they end sooner, and
+    rows that all keep their drafts keep the gain of speculation. On a CPU's costs (a pass
+    as dear as its tokens, a tail of few rows cheap), both choose alike."""
 
-    def run(closed, cost, rows=8):
-        policy = BatchDraftPolicy(["draft"], guard=False)  # the policy's own choices
-        policy.closed = closed
-        ks = drive(policy, rows=rows, accept=0.7, token_cost=0, cost=cost)[-100:]
-        return collections.Counter(ks)
+    def cheap(rows, width):
+        return 5e-3 + 0.3e-3 * width + 0.05e-3 * rows * width
 
-    opened, closed = run(False, dear), run(True, dear)
-    assert closed[1] >= 70 and opened[1] <= 20 and opened[3] >= 70  # (exploring: 1 in 8)
-    assert run(True, cheap)[1] == 0 and run(True, dear, rows=1)[1] <= 20
+    cpu = {1: 13e-3, 2: 15e-3, 3: 19.5e-3, 4: 23e-3}
+
+    def dear(rows, width):
+        return 3e-3 + rows / 8 * (cpu.get(width, 5.5e-3 * width) - 3e-3)
+
+    def run(accepts, cost, finish):
+        rng = random.Random(0)
+        policy = BatchDraftPolicy(["draft"], guard=False, finish=finish)  # its own choices
+        for _ in range(3):
+            closed_batch(policy, accepts, cost, rng)
+        return sum(closed_batch(policy, accepts, cost, rng) for _ in range(5)) / 5
+
+    mixed, alike = [0.9, 0.9, 0.85, 0.8, 0.3, 0.2, 0.1, 0.05], [0.8] * 8
+    plain = closed_batch(None, mixed, cheap, random.Random(0))
+    by_rate, by_end = run(mixed, cheap, False), run(mixed, cheap, True)
+    assert by_rate > 1.05 * plain and by_end < 0.93 * by_rate
+    assert run(alike, cheap, True) < 0.6 * plain
+    for accepts in (mixed, alike):
+        assert run(accepts, dear, True) < 1.03 * run(accepts, dear, False)
 
 
 def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
