@@ -867,18 +867,24 @@ class BatchDraftPolicy:
     ) -> tuple[tuple, float]:
         choice, gain, score = (None, 0), 1.0, 0.0
         target = ask.fixed if ask.fixed is not None else big_k
-        if only is not None and len(ask.arms) > 1 and only in ask.arms:
-            ask = ask.narrowed(only)
-        if force is not None and force in ask.arms:
-            avail = ask.available[ask.arms.index(force)]
+        arms, available, levels = ask.arms, ask.available, ask.levels
+        # The drafters it may take (`only`, then `force`, narrow them), by index into `arms`
+        # (a choice weighs every K of every plan: no copies of the ask).
+        ways = range(len(arms))
+        if only is not None and len(arms) > 1 and only in arms:
+            ways = [arms.index(only)]
+        if force is not None and force in [arms[i] for i in ways]:
+            avail = available[arms.index(force)]
             if min(target, ask.limit, self.max_draft if avail is None else avail) > 0:
-                ask = ask.narrowed(force)
-        for arm, avail in zip(ask.arms, ask.available, strict=True):
+                ways = [arms.index(force)]
+        several = len(ways) > 1
+        for i in ways:
+            arm, avail = arms[i], available[i]
             k = min(target, ask.limit, self.max_draft if avail is None else avail)
             if k <= 0:
                 continue
-            g = gains.of(arm, ask.level(arm))[k]
-            s = g / self.costs.seconds(batch, k, (arm,)) if len(ask.arms) > 1 else g
+            g = gains.of(arm, levels[i] if levels else 0)[k]
+            s = g / self.costs.seconds(batch, k, (arm,)) if several else g
             if choice[0] is None or s > score:
                 choice, gain, score = (arm, k), g, s
         return choice, gain
