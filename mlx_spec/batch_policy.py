@@ -590,18 +590,22 @@ class _Guard:
         # (B, drafter, allowed) -> decayed tokens, seconds, steps
         self.rates: dict[tuple[int, int, bool], list[float]] = {}
         self.since: dict[tuple[int, int], int] = {}  # (B, drafter) -> windows since it trailed
+        # (B, drafter) -> decayed allowed steps that drafted with it
+        self.drafting: dict[tuple[int, int], float] = {}
         self.arms: tuple = ()  # the drafters the current window's rows have
         self.barred = 0  # the current window's barred drafters (a bitmask)
         self.left = 0  # its steps still to run
         self.unsettled: dict[int, int] = {}  # drafter -> barred steps still counted as allowed
 
-    def ratio(self, rows: int, arm: int) -> float | None:
+    def ratio(self, rows: int, arm: int, drafted: bool = False) -> float | None:
         """Tokens per second of the steps with drafter `arm` allowed over those with it
         barred at `rows` rows (or a size one away, where `rows` has not both); None where
-        neither has."""
+        neither has (`drafted`: or where its allowed steps hardly drafted with it)."""
         for b in sorted((rows, rows - 1, rows + 1), key=lambda b: (abs(b - rows), -b)):
             on, off = self.rates.get((b, arm, True)), self.rates.get((b, arm, False))
             if on and off and min(on[2], off[2]) >= 4 and on[1] and off[1]:
+                if drafted and self.drafting.get((b, arm), 0.0) < self.least:
+                    return None
                 return (on[0] / on[1]) / (off[0] / off[1])
         return None
 
@@ -636,7 +640,12 @@ class _Guard:
     def _bars(self, rows: int, arm: int) -> bool:
         """Whether drafter `arm` is barred in the window starting now (its schedule moves
         on by one window)."""
-        ratio = self.ratio(rows, arm)
+        # Allowed windows whose steps hardly drafted with it (the policy's own choice: a
+        # lone row's first windows, before its probes) weigh plain steps against plain
+        # steps, and its joins: no verdict (a lone row's MTP head on a 2-core x86, 1.2x of
+        # plain decoding once drafting, was barred through a whole run by two such windows
+        # and the joins charged to them).
+        ratio = self.ratio(rows, arm, drafted=True)
         if ratio is None:
             lead, every = False, self.first
         else:
@@ -646,9 +655,11 @@ class _Guard:
         self.since[rows, arm] = behind if behind < every else 0
         return lead if behind < every else not lead
 
-    def observe(self, rows: int, barred: int, tokens: int, seconds: float) -> None:
-        """A step of `rows` rows ran with drafters `barred` (a bitmask): it counts for each
-        drafter of the window's rows, on its side."""
+    def observe(
+        self, rows: int, barred: int, tokens: int, seconds: float, drafted=frozenset()
+    ) -> None:
+        """A step of `rows` rows ran with drafters `barred` (a bitmask; `drafted`: those its
+        rows drafted with): it counts for each drafter of the window's rows, on its side."""
         d = self.decay
         for arm in self.arms:
             allowed = not barred >> arm & 1
@@ -657,6 +668,9 @@ class _Guard:
                 allowed = True
             entry = self.rates.setdefault((rows, arm, allowed), [0.0, 0.0, 0.0])
             entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
+            if allowed:
+                before = self.drafting.get((rows, arm), 0.0)
+                self.drafting[rows, arm] = d * before + (arm in drafted)
 
     def charge(self, rows: int, arm: int, seconds: float) -> None:
         """Time drafter `arm` spent beside the steps at `rows` rows (taking rows in: no step
@@ -1485,7 +1499,7 @@ class BatchDraftPolicy:
             self.costs.observe_drafting(*shape, drafting)
         if self.guard is not None and window is not None and not built:
             tokens = len(rows) + sum(n for _, n in outcomes)
-            self.guard.observe(len(rows), window, tokens, seconds)
+            self.guard.observe(len(rows), window, tokens, seconds, set(shape[2]))
             for arm, spent in self._joined.items():  # joins before steps it stood aside from too
                 self.guard.charge(len(rows), arm, spent)
             self._joined = {}

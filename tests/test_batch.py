@@ -2061,3 +2061,30 @@ def test_a_rows_own_acceptance_sets_its_level_and_rows_alike_merge():
     gains = policy._gains()
     assert gains.of(0, levels[0])[2] < gains[0][2] < gains.of(0, levels[1])[2]
     assert len(_Merged(asks).distinct) == 4
+
+
+def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
+    """Allowed windows in which the policy drafted nothing with the drafter (a lone row's
+    first windows, before its probes) weigh plain steps against plain steps and the joins
+    charged to them: no verdict, and the drafter stays allowed but for a barred window now
+    and then (a lone row's MTP head on a 2-core x86, 1.2x of plain decoding once drafting,
+    was barred through a whole server run by two such windows). Once its allowed steps
+    draft with it and realise less, it is barred."""
+    from mlx_spec.batch_policy import _Guard
+
+    def windows(guard, count, allowed_seconds, drafted):
+        barred = []
+        for _ in range(count):
+            for _step in range(guard.window):
+                bar = guard.window_for(1, (0,))
+                seconds = 0.010 if bar else allowed_seconds
+                guard.observe(1, bar, 1, seconds, set() if bar else drafted)
+            barred.append(bool(bar))
+            if not bar:
+                guard.charge(1, 0, 0.05)  # a request joined the drafter
+        return barred
+
+    guard = _Guard()
+    assert sum(windows(guard, 12, 0.010, set())) <= 4
+    assert guard.ratio(1, 0) < 0.9 and guard.ratio(1, 0, drafted=True) is None
+    assert sum(windows(guard, 12, 0.012, {0})) >= 8
