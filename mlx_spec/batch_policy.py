@@ -590,8 +590,11 @@ class _Guard:
         # (B, drafter, allowed) -> decayed tokens, seconds, steps
         self.rates: dict[tuple[int, int, bool], list[float]] = {}
         self.since: dict[tuple[int, int], int] = {}  # (B, drafter) -> windows since it trailed
-        # (B, drafter) -> decayed allowed steps that drafted with it
+        # (B, drafter) -> decayed allowed steps that drafted with it, until `least` of them
+        # have: then it is in `drafted`, and judged whatever its allowed steps draft (the
+        # policy decoding plainly where it may draft costs the asks and probes)
         self.drafting: dict[tuple[int, int], float] = {}
+        self.drafted: set[tuple[int, int]] = set()
         self.arms: tuple = ()  # the drafters the current window's rows have
         self.barred = 0  # the current window's barred drafters (a bitmask)
         self.left = 0  # its steps still to run
@@ -600,11 +603,12 @@ class _Guard:
     def ratio(self, rows: int, arm: int, drafted: bool = False) -> float | None:
         """Tokens per second of the steps with drafter `arm` allowed over those with it
         barred at `rows` rows (or a size one away, where `rows` has not both); None where
-        neither has (`drafted`: or where its allowed steps hardly drafted with it)."""
+        neither has (`drafted`: or where its allowed steps have not yet drafted with it
+        `least` times, decayed: `drafted`)."""
         for b in sorted((rows, rows - 1, rows + 1), key=lambda b: (abs(b - rows), -b)):
             on, off = self.rates.get((b, arm, True)), self.rates.get((b, arm, False))
             if on and off and min(on[2], off[2]) >= 4 and on[1] and off[1]:
-                if drafted and self.drafting.get((b, arm), 0.0) < self.least:
+                if drafted and (b, arm) not in self.drafted:
                     return None
                 return (on[0] / on[1]) / (off[0] / off[1])
         return None
@@ -640,8 +644,8 @@ class _Guard:
     def _bars(self, rows: int, arm: int) -> bool:
         """Whether drafter `arm` is barred in the window starting now (its schedule moves
         on by one window)."""
-        # Allowed windows whose steps hardly drafted with it (the policy's own choice: a
-        # lone row's first windows, before its probes) weigh plain steps against plain
+        # Until its allowed steps have drafted with it (the policy's own choice: a lone
+        # row's first windows come before its probes), they weigh plain steps against plain
         # steps, and its joins: no verdict (a lone row's MTP head on a 2-core x86, 1.2x of
         # plain decoding once drafting, was barred through a whole run by two such windows
         # and the joins charged to them).
@@ -668,9 +672,11 @@ class _Guard:
                 allowed = True
             entry = self.rates.setdefault((rows, arm, allowed), [0.0, 0.0, 0.0])
             entry[:] = [d * entry[0] + tokens, d * entry[1] + seconds, d * entry[2] + 1.0]
-            if allowed:
-                before = self.drafting.get((rows, arm), 0.0)
-                self.drafting[rows, arm] = d * before + (arm in drafted)
+            if allowed and (rows, arm) not in self.drafted:
+                count = d * self.drafting.get((rows, arm), 0.0) + (arm in drafted)
+                self.drafting[rows, arm] = count
+                if count >= self.least:
+                    self.drafted.add((rows, arm))
 
     def charge(self, rows: int, arm: int, seconds: float) -> None:
         """Time drafter `arm` spent beside the steps at `rows` rows (taking rows in: no step

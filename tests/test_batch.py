@@ -2069,7 +2069,8 @@ def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
     charged to them: no verdict, and the drafter stays allowed but for a barred window now
     and then (a lone row's MTP head on a 2-core x86, 1.2x of plain decoding once drafting,
     was barred through a whole server run by two such windows). Once its allowed steps
-    draft with it and realise less, it is barred."""
+    have drafted with it, the guard judges it as before: where they realise less, it is
+    barred."""
     from mlx_spec.batch_policy import _Guard
 
     def windows(guard, count, allowed_seconds, drafted):
