@@ -122,10 +122,6 @@ class RowAsk:
     def level(self, arm: int) -> int:
         return self.levels[self.arms.index(arm)] if self.levels else 0
 
-    def narrowed(self, arm: int) -> RowAsk:
-        """The ask with drafter `arm` alone."""
-        return self.keeping([self.arms.index(arm)])
-
     def keeping(self, indices: list[int]) -> RowAsk:
         """The ask with the drafters at `indices` of `arms` alone."""
 
@@ -182,9 +178,10 @@ class RowRecord:
         if arms and limit > 0:
             has = any(a is None or a > 0 for a in available)
             self.had = self.HAD * self.had + (1.0 - self.HAD) * has
-        ask = RowAsk(arms, fixed, limit, available, backlog, own, behind=behind, left=left)
-        ask.drafting = self.had
-        return ask
+        return RowAsk(
+            arms, fixed, limit, available, backlog, own, behind=behind, left=left,
+            drafting=self.had,
+        )  # fmt: skip
 
 
 LEVELS = 4  # acceptance levels per doubling (`_Gains.of`)
@@ -230,10 +227,11 @@ class _Gains(list):
             accept, out = self._accept(arm, level), [0.0]
             for k in range(1, len(self[arm])):
                 reach, first, second = 1.0, 0.0, 0.0  # P(j drafts kept), E(t), E(t^2)
-                for j in range(k + 1):
-                    stop = reach * (1.0 - accept[j]) if j < k else reach
+                for j in range(k):
+                    stop = reach * (1.0 - accept[j])  # j kept, the next not: j + 1 tokens
                     first, second = first + stop * (j + 1), second + stop * (j + 1) ** 2
-                    reach *= accept[j] if j < k else 0.0
+                    reach *= accept[j]
+                first, second = first + reach * (k + 1), second + reach * (k + 1) ** 2
                 out.append(max(0.0, second - first * first))
             self._scaled[key] = out
         return self._scaled[key]
@@ -1233,8 +1231,9 @@ class BatchDraftPolicy:
                     levels = {a: distinct.level(a) for a in distinct.arms}
                     arm = max(levels, key=lambda a: gains.of(a, levels[a])[k], default=None)
                 if arm is not None and k > 0:
-                    drafted = gains.of(arm, distinct.level(arm))[k] - 1.0
-                    varies = gains.variance(arm, distinct.level(arm))[k]
+                    level = distinct.level(arm)
+                    drafted = gains.of(arm, level)[k] - 1.0
+                    varies = gains.variance(arm, level)[k]
                     # A step with drafts gains 1 + drafted, one without 1.
                     had = ask.drafting
                     gain = 1.0 + had * drafted
