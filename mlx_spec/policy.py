@@ -15,6 +15,11 @@ compares it with plain decoding (1 / the measured plain step time). When plain d
 asks for a stretch of plain steps and probes speculation again after it, at doubling intervals
 while it keeps losing, never so often that probing costs more than about 1% of the time.
 
+Timings are only ever made longer by noise (a preempted thread, a collection), and on a busy
+machine short steps are often held up for several times their cost: every running timing
+leans to its quick samples (`_timing`), and one slow probe cannot put off the next by more than
+four times the last interval.
+
 A lookup drafter (n-gram) can have nothing to offer at a position; while it wins, the policy
 then takes one synchronised plain step and looks again. Those waiting steps are charged to the
 drafter: its rate is (E(k) + w) / (T(k) + w t_wait), w waiting steps per round.
@@ -90,9 +95,9 @@ class _Line:
     def __init__(self):
         self.sums = [0.0] * 5
 
-    def add(self, x: float, y: float, keep: float) -> None:
+    def add(self, x: float, y: float, keep: float, weight: float = 1.0) -> None:
         terms = (1.0, x, x * x, y, x * y)
-        self.sums = [s * keep + v for s, v in zip(self.sums, terms, strict=True)]
+        self.sums = [s * keep + weight * v for s, v in zip(self.sums, terms, strict=True)]
 
     def at(self, x: float, prior: tuple[float, float], floor: float) -> float:
         """The line at x. `prior` (intercept, slope) stands in before the first round; while
@@ -165,6 +170,21 @@ def _ema(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (min(new, 3 * old) - old)
 
 
+OUTLIER_WEIGHT = 0.25  # an outlier timing counts as this share of a sample, at its cap
+
+
+def _timing(old: float | None, new: float, alpha: float, cap: float) -> float:
+    """Running average of a timing, leaning to its quick samples. A thread held up (by the
+    scheduler, a collection) only ever makes a timing longer, so a sample over the average
+    counts as a quarter of one, and at most as `cap` x the average: held-up samples in a row
+    move it by little, while a cost that really rose still gets there in some rounds."""
+    if old is None:
+        return new
+    if new > old:
+        new, alpha = min(new, cap * old), alpha * OUTLIER_WEIGHT
+    return old + alpha * (new - old)
+
+
 class AdaptiveDraftLength(DraftPolicy):
     """Online choice of k in 0..max_draft (and of the drafter) from measured costs.
 
@@ -193,6 +213,11 @@ class AdaptiveDraftLength(DraftPolicy):
             probe costs so much that probing every probe_max tokens would cost more than
             `probe_budget` of the time (then up to 8 times that interval).
         probe_budget: the share of decoding time that probing a losing drafter may cost.
+        outlier: a timing over this many times its prediction counts as that much. On a busy
+            machine a step now and then takes several times its cost (the thread preempted,
+            a collection); short steps would otherwise be judged by those. Timings over
+            their prediction also count as a quarter of a sample (`_timing`), and a round
+            quicker than a plain step has the plain step timed again.
     """
 
     def __init__(
@@ -213,6 +238,7 @@ class AdaptiveDraftLength(DraftPolicy):
         probe_min: int = 4,
         probe_max: int = 32,
         probe_budget: float = 0.01,
+        outlier: float = 1.5,
     ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
@@ -224,6 +250,7 @@ class AdaptiveDraftLength(DraftPolicy):
         self.first_plain, self.refresh_every = first_plain, refresh_every
         self.explore_every = explore_every
         self.probe_min, self.probe_max, self.probe_budget = probe_min, probe_max, probe_budget
+        self.outlier = outlier
         self.plain: float | None = None  # seconds per plain step, pipelined
         self.wait: float | None = None  # seconds of one synchronised plain step (a wait)
         self._since_spec = 0  # plain steps since the last speculative round
@@ -232,6 +259,7 @@ class AdaptiveDraftLength(DraftPolicy):
         self._rounds = 0  # speculative rounds chosen for their rate
         self._speculating = False  # the last choice was a speculative round that won
         self._waiting: int | None = None  # the arm a one-step wait was taken for
+        self._retimed = False  # the plain step was timed again since the last refresh
 
     def resume(self) -> None:
         """Start another generation with what was learned (the estimates stay; the plain step
@@ -257,9 +285,14 @@ class AdaptiveDraftLength(DraftPolicy):
 
     def _seconds_at(self, arm: int, drafted: float) -> float:
         """Seconds of a round of `arm` that verifies `drafted` drafts."""
+        line = self.arms[arm].seconds
         plain = self.plain or 1.0
-        prior = (1.05 * plain, 0.3 * plain)  # a pass over 2 tokens, a drafter of 0.2 steps
-        seconds = self.arms[arm].seconds.at(drafted, prior, 0.01 * plain)
+        # The prior's scale: a plain step, or the arm's measured round where that is less (a
+        # round costs at least a step: a plain step timed through a preemption is too long).
+        w, _, _, wy, _ = line.sums
+        scale = min(plain, wy / w) if w > 0 else plain
+        prior = (1.05 * scale, 0.3 * scale)  # a pass over 2 tokens, a drafter of 0.2 steps
+        seconds = line.at(drafted, prior, 0.01 * plain)
         return max(seconds, 0.5 * plain)  # a round is at least a target pass
 
     def rate(self, arm: int, k: int) -> float:
@@ -324,10 +357,12 @@ class AdaptiveDraftLength(DraftPolicy):
 
     def _next_probe_interval(self, arm: int, k: int) -> int:
         """Plain steps before the probe after this one: twice the last interval, at least what
-        keeps the probe's expected loss within `probe_budget` of the time in between."""
+        keeps the probe's expected loss within `probe_budget` of the time in between, but at
+        most four times the last (or `probe_max`): the loss is an estimate from few probes, and
+        one slow probe must not put off the next for hundreds of tokens."""
         loss = self.round_seconds(arm, k) - self.expected_tokens(arm, k) * self.plain
         need = max(0.0, loss) / (self.probe_budget * self.plain)
-        cap = max(self.probe_max, 8 * need)
+        cap = min(max(self.probe_max, 8 * need), max(self.probe_max, 4 * self._probe_every))
         return int(min(max(2 * self._probe_every, math.ceil(need)), cap))
 
     # --- observations ------------------------------------------------------------------------
@@ -347,17 +382,29 @@ class AdaptiveDraftLength(DraftPolicy):
         a.rounds += 1.0
         count_round(a.hits, a.trials, asked, accepted)
         a.fill = _ema(a.fill, drafted / asked, self.alpha)
-        predicted = self._seconds_at(arm, drafted) if a.seconds.sums[0] > 0 else seconds
-        a.seconds.add(drafted, min(seconds, 3 * predicted), keep=self.decay)
+        predicted = self._seconds_at(arm, drafted)
+        # Before its first round an arm is predicted by the prior, which may miss a costly
+        # drafter by more than `outlier`: then only a far outlier is cut.
+        cap = (self.outlier if a.seconds.sums[0] > 0 else 3.0) * predicted
+        # As in `_timing`: a round slower than predicted counts as a quarter of one, at most
+        # at the cap, so held-up rounds in a row do not ratchet the line up.
+        weight = 1.0 if seconds <= predicted else OUTLIER_WEIGHT
+        a.seconds.add(drafted, min(seconds, cap), keep=self.decay, weight=weight)
+        if self.plain is not None and seconds < self.plain and not self._retimed:
+            # A round is a target pass at least: the plain timing was held up. Time it again
+            # (once between refreshes, in case a round here really is quicker).
+            self.plain, self._retimed = None, True
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
         if self._waiting is not None:  # a wait: charged to the drafter that had nothing
             self.arms[self._waiting].waits += tokens
-            self.wait = _ema(self.wait, seconds / tokens, self.alpha)
+            self.wait = _timing(self.wait, seconds / tokens, self.alpha, self.outlier)
             self._waiting = None
             return
+        if self._rounds_since_plain >= self.refresh_every:
+            self._retimed = False
         weight = min(1.0, self.alpha * tokens)  # a long stretch counts as several samples
-        self.plain = _ema(self.plain, seconds / tokens, weight)
+        self.plain = _timing(self.plain, seconds / tokens, weight, self.outlier)
         self._since_spec += tokens
         self._rounds_since_plain = 0
 

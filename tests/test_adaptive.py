@@ -165,8 +165,10 @@ def oracle_run(loaded, n: int, wrong_after=None, **kwargs):
 
 
 def test_controller_settles_on_k_max_for_an_always_right_drafter(loaded):
-    _, stats = oracle_run(loaded, 240, max_draft=6)
-    assert stats.k_histogram.get(6, 0) >= 20, stats.k_histogram  # most rounds, once it has seen
+    """k = K on most rounds (about 55 of 60 on a quiet machine; steps this short are timed
+    through preemptions on a busy one, which the controller's timings must shrug off)."""
+    _, stats = oracle_run(loaded, 400, max_draft=6)
+    assert stats.k_histogram.get(6, 0) >= 30, stats.k_histogram
     assert stats.acceptance_rate == 1.0
 
 

@@ -17,22 +17,34 @@ def verify_cost(drafts: int, slope: float = 0.1) -> float:
     return PLAIN * (1.05 + slope * drafts)
 
 
-def simulate(policy, accept_prob, draft_cost, rounds: int, seed: int = 0, slope: float = 0.1):
+def simulate(
+    policy,
+    accept_prob,
+    draft_cost,
+    rounds: int,
+    seed: int = 0,
+    slope: float = 0.1,
+    held: dict[int, float] | None = None,
+):
     """Drive `policy` for `rounds` choices; arm a's drafts are each kept with probability
-    `accept_prob[a]` and cost `draft_cost[a]` seconds. Returns the choices made."""
+    `accept_prob[a]` and cost `draft_cost[a]` seconds. `held`: choice index -> plain steps
+    by which that choice's timing is held up (a busy machine's scheduler taking the core
+    away). Returns the choices made."""
     rng = random.Random(seed)
     choices = []
-    for _ in range(rounds):
+    for i in range(rounds):
         choice = policy.choose(limit=64)
         choices.append(choice)
+        extra = (held or {}).get(i, 0.0) * PLAIN
         if choice.plain_tokens:
-            policy.observe_plain(choice.plain_tokens, choice.plain_tokens * PLAIN)
+            policy.observe_plain(choice.plain_tokens, choice.plain_tokens * PLAIN + extra)
             continue
         k, arm = choice.num_draft, choice.arm
         accepted = 0
         while accepted < k and rng.random() < accept_prob[arm]:
             accepted += 1
-        policy.observe_round(arm, k, k, accepted, k * draft_cost[arm] + verify_cost(k, slope))
+        seconds = k * draft_cost[arm] + verify_cost(k, slope) + extra
+        policy.observe_round(arm, k, k, accepted, seconds)
     return choices
 
 
@@ -59,6 +71,39 @@ def test_always_right_cheap_drafter_settles_on_k_max():
     assert set(later) <= {7, 8} and later.count(7) <= len(later) / policy.explore_every + 1
     plain = sum(c.plain_tokens for c in choices[first:])
     assert plain <= 2 * policy.first_plain  # refreshes only
+
+
+def test_a_held_up_plain_timing_is_taken_again():
+    """The first plain stretch is held up (its 4 steps take 20: the thread was preempted, as on
+    a busy machine with steps this short): an always-right cheap drafter still reaches K
+    within a few rounds, and the plain step is timed again once a round shows it too long."""
+    policy = AdaptiveDraftLength(6)
+    choices = simulate(policy, [1.0], [0.02 * PLAIN], rounds=40, held={0: 16})
+    assert [c.num_draft for c in choices[-20:]].count(6) >= 16
+    assert policy.plain == pytest.approx(PLAIN)
+
+
+def test_a_held_up_round_does_not_put_off_probes_for_long():
+    """The first rounds are held up by 12 plain steps each, the rest run clean: the next
+    probes come within `probe_max` steps, and an always-right drafter is back at K."""
+    policy = AdaptiveDraftLength(6)
+    choices = simulate(policy, [1.0], [0.02 * PLAIN], rounds=40, held={1: 12, 3: 12})
+    assert max(c.plain_tokens for c in choices) <= policy.probe_max
+    assert [c.num_draft for c in choices[-10:]].count(6) >= 8
+
+
+def test_held_up_rounds_do_not_ratchet_the_round_time_up():
+    """Held-up rounds in a row (each 8 plain steps late) move the predicted round time by a
+    fraction of what they would as plain samples; clean rounds bring it back."""
+    policy = AdaptiveDraftLength(6)
+    simulate(policy, [1.0], [0.02 * PLAIN], rounds=40)
+    clean = policy.round_seconds(0, 6)
+    truth = 6 * 0.02 * PLAIN + verify_cost(6)
+    assert clean == pytest.approx(truth, rel=0.05)
+    for _ in range(4):
+        policy.observe_round(0, 6, 6, 6, truth + 8 * PLAIN)
+    assert policy.round_seconds(0, 6) < 1.3 * truth
+    assert policy.choose(64).num_draft >= 5
 
 
 def test_never_right_drafter_settles_on_plain_decoding():
