@@ -15,10 +15,11 @@ compares it with plain decoding (1 / the measured plain step time). When plain d
 asks for a stretch of plain steps and probes speculation again after it, at doubling intervals
 while it keeps losing, never so often that probing costs more than about 1% of the time.
 
-Timings are only ever made longer by noise (a preempted thread, a collection), and on a busy
-machine short steps are often held up for several times their cost: every running timing
-leans to its quick samples (`_timing`), and one slow probe cannot put off the next by more than
-four times the last interval.
+On a busy machine short steps are now and then held up for several times their cost (a
+preempted thread, a collection): a timing far over its prediction counts for little
+(`_timing`), a round far quicker than a plain step has the plain step timed again, one slow probe
+cannot put off the next by more than four times the last interval, and the probe schedule
+runs on across generations (a server or a benchmark generates many short replies).
 
 A lookup drafter (n-gram) can have nothing to offer at a position; while it wins, the policy
 then takes one synchronised plain step and looks again. Those waiting steps are charged to the
@@ -174,14 +175,14 @@ OUTLIER_WEIGHT = 0.25  # an outlier timing counts as this share of a sample, at 
 
 
 def _timing(old: float | None, new: float, alpha: float, cap: float) -> float:
-    """Running average of a timing, leaning to its quick samples. A thread held up (by the
-    scheduler, a collection) only ever makes a timing longer, so a sample over the average
-    counts as a quarter of one, and at most as `cap` x the average: held-up samples in a row
-    move it by little, while a cost that really rose still gets there in some rounds."""
+    """Running average of a timing. A sample over `cap` x the average (the thread was held
+    up: by the scheduler, a collection) counts as `cap` x and as a quarter of a sample, so
+    held-up samples in a row move it by little, while a cost that really rose still gets
+    there within some rounds."""
     if old is None:
         return new
-    if new > old:
-        new, alpha = min(new, cap * old), alpha * OUTLIER_WEIGHT
+    if new > cap * old:
+        new, alpha = cap * old, alpha * OUTLIER_WEIGHT
     return old + alpha * (new - old)
 
 
@@ -213,11 +214,11 @@ class AdaptiveDraftLength(DraftPolicy):
             probe costs so much that probing every probe_max tokens would cost more than
             `probe_budget` of the time (then up to 8 times that interval).
         probe_budget: the share of decoding time that probing a losing drafter may cost.
-        outlier: a timing over this many times its prediction counts as that much. On a busy
-            machine a step now and then takes several times its cost (the thread preempted,
-            a collection); short steps would otherwise be judged by those. Timings over
-            their prediction also count as a quarter of a sample (`_timing`), and a round
-            quicker than a plain step has the plain step timed again.
+        outlier: a timing over this many times its prediction counts as that much, and as
+            a quarter of a sample (`_timing`). On a busy machine a step now and then takes
+            several times its cost (the thread preempted, a collection); short steps would
+            otherwise be judged by those. A round this much quicker than a plain step also
+            has the plain step timed again.
     """
 
     def __init__(
@@ -238,7 +239,7 @@ class AdaptiveDraftLength(DraftPolicy):
         probe_min: int = 4,
         probe_max: int = 32,
         probe_budget: float = 0.01,
-        outlier: float = 1.5,
+        outlier: float = 1.25,
     ):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1, got {max_draft}")
@@ -262,9 +263,11 @@ class AdaptiveDraftLength(DraftPolicy):
         self._retimed = False  # the plain step was timed again since the last refresh
 
     def resume(self) -> None:
-        """Start another generation with what was learned (the estimates stay; the plain step
-        is timed again first, since the context and the machine's load may differ)."""
-        self._since_spec, self._waiting, self._speculating = 0, None, False
+        """Start another generation with what was learned (the estimates stay, and so does
+        the probe schedule: plain steps count towards the next probe across generations, or
+        replies shorter than the interval would never probe again; the plain step is timed
+        again first, since the context and the machine's load may differ)."""
+        self._waiting, self._speculating = None, False
         self._rounds_since_plain = self.refresh_every  # time a stretch of plain steps first
 
     # --- estimates ---------------------------------------------------------------------------
@@ -386,13 +389,13 @@ class AdaptiveDraftLength(DraftPolicy):
         # Before its first round an arm is predicted by the prior, which may miss a costly
         # drafter by more than `outlier`: then only a far outlier is cut.
         cap = (self.outlier if a.seconds.sums[0] > 0 else 3.0) * predicted
-        # As in `_timing`: a round slower than predicted counts as a quarter of one, at most
-        # at the cap, so held-up rounds in a row do not ratchet the line up.
-        weight = 1.0 if seconds <= predicted else OUTLIER_WEIGHT
+        # As in `_timing`: a held-up round counts at the cap and as a quarter of one, so
+        # held-up rounds in a row do not ratchet the line up.
+        weight = 1.0 if seconds <= cap else OUTLIER_WEIGHT
         a.seconds.add(drafted, min(seconds, cap), keep=self.decay, weight=weight)
-        if self.plain is not None and seconds < self.plain and not self._retimed:
+        if self.plain is not None and seconds * self.outlier < self.plain and not self._retimed:
             # A round is a target pass at least: the plain timing was held up. Time it again
-            # (once between refreshes, in case a round here really is quicker).
+            # (once between refreshes, in case rounds here really are that quick).
             self.plain, self._retimed = None, True
 
     def observe_plain(self, tokens: int, seconds: float) -> None:

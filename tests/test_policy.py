@@ -106,6 +106,31 @@ def test_held_up_rounds_do_not_ratchet_the_round_time_up():
     assert policy.choose(64).num_draft >= 5
 
 
+def test_probes_go_on_across_short_replies():
+    """A losing drafter probed at long intervals, then 60 replies of 24 tokens each (a server,
+    a benchmark): plain steps count towards the next probe across replies, so the drafter is
+    still probed (were each reply to start the count afresh, never again)."""
+    policy = AdaptiveDraftLength(4)
+    simulate(policy, [0.0], [0.2 * PLAIN], rounds=60)
+    assert policy._probe_every > 24
+    probes = 0
+    for _ in range(60):
+        policy.resume()
+        left = 24
+        while left > 0:
+            choice = policy.choose(left)
+            if choice.plain_tokens:
+                n = min(choice.plain_tokens, left)
+                policy.observe_plain(n, n * PLAIN)
+                left -= n
+                continue
+            k = choice.num_draft
+            probes += 1
+            policy.observe_round(choice.arm, k, k, 0, k * 0.2 * PLAIN + verify_cost(k))
+            left -= 1
+    assert 3 <= probes <= 60 * 24 * policy.probe_budget * 4
+
+
 def test_never_right_drafter_settles_on_plain_decoding():
     """A drafter that is never right: plain decoding within 5 choices; afterwards one probe
     round after each plain stretch, the stretches growing while the probes lose, until the
