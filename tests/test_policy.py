@@ -106,6 +106,18 @@ def test_held_up_rounds_do_not_ratchet_the_round_time_up():
     assert policy.choose(64).num_draft >= 5
 
 
+def test_a_cost_that_rose_is_learnt():
+    """Rounds that take three times their cost every time from some point on (a drafter
+    slower on this text, a busier machine) are no held-up outliers: from the third in a row
+    they count in full, and within 10 rounds the predicted round time is well on its way."""
+    policy = AdaptiveDraftLength(6)
+    simulate(policy, [1.0], [0.02 * PLAIN], rounds=40)
+    truth = 6 * 0.02 * PLAIN + verify_cost(6)
+    for _ in range(10):
+        policy.observe_round(0, 6, 6, 6, 3 * truth)
+    assert policy.round_seconds(0, 6) > 1.4 * truth  # counted as held up: 1.03x
+
+
 def test_probes_go_on_across_short_replies():
     """A losing drafter probed at long intervals, then 60 replies of 24 tokens each (a server,
     a benchmark): plain steps count towards the next probe across replies, so the drafter is
