@@ -17,7 +17,7 @@ while it keeps losing, never so often that probing costs more than about 1% of t
 
 On a busy machine short steps are now and then held up for several times their cost (a
 preempted thread, a collection): a timing far over its prediction counts for little unless
-three such come in a row (then the cost rose; `_timing`), a round far quicker than a plain
+three such come in a row (then the cost rose; `_held`), a round far quicker than a plain
 step has the plain step timed again, one slow probe cannot put off the next by more than
 four times the last interval, and the probe schedule runs on across generations (a server
 or a benchmark generates many short replies).
@@ -68,10 +68,6 @@ class DraftPolicy:
     ) -> None:
         """A speculative round: `asked` drafts requested, `drafted` returned, `accepted` kept,
         `seconds` from drafting to the end of the rollback."""
-
-    def _over(self, average: float | None, sample: float) -> bool:
-        """Whether `sample` is held up against `average` (`_timing`)."""
-        return average is not None and sample > self.outlier * average
 
     def observe_plain(self, tokens: int, seconds: float) -> None:
         """A stretch of `tokens` plain decoding steps took `seconds` in all."""
@@ -132,7 +128,7 @@ class _Arm:
     fill: float = 1.0  # drafted / asked (a lookup drafter may find fewer than asked)
     rounds: float = 0.0  # decayed count of its rounds ...
     waits: float = 0.0  # ... and of the plain steps taken while it had nothing to offer
-    held: int = 0  # its rounds in a row held up (over `outlier` x their prediction)
+    held: int = 0  # its rounds in a row held up (`_held`)
 
 
 def chain_acceptance(
@@ -181,18 +177,25 @@ OUTLIER_WEIGHT = 0.25  # an outlier timing counts as this share of a sample, at 
 HELD_RUN = 3  # ... unless this many came in a row: then the cost rose (counted as `_ema` does)
 
 
-def _timing(old: float | None, new: float, alpha: float, cap: float, run: int) -> float:
-    """Running average of a timing. A sample over `cap` x the average (the thread was held
-    up: by the scheduler, a collection) counts as `cap` x and as a quarter of a sample, so a
-    held-up sample now and then moves it by little; `run`: the samples over the cap in a
-    row, this one included, from `HELD_RUN` on taken for a cost that rose (as `_ema`)."""
+def _held(sample: float, predicted: float, cap: float, run: int) -> tuple[int, float, float]:
+    """How a timing counts against its prediction: (held-up samples in a row, this one
+    included, given `run` before it; the value; the weight). A sample over `cap` x the
+    prediction (the thread was held up: by the scheduler, a collection) counts as `cap` x and
+    as a quarter of a sample, so a held-up sample now and then moves an estimate by little;
+    from the `HELD_RUN`th in a row on it is taken for a cost that rose, in full (at most 3x,
+    as `_ema`)."""
+    run = run + 1 if sample > cap * predicted else 0
+    if run and run < HELD_RUN:
+        return run, cap * predicted, OUTLIER_WEIGHT
+    return run, min(sample, 3 * predicted), 1.0
+
+
+def _timing(old: float | None, new: float, alpha: float, cap: float, run: int) -> tuple[float, int]:
+    """A running average of a timing and the held-up samples in a row (`_held`)."""
     if old is None:
-        return new
-    if new > cap * old:
-        if run >= HELD_RUN:
-            return _ema(old, new, alpha)
-        new, alpha = cap * old, alpha * OUTLIER_WEIGHT
-    return old + alpha * (new - old)
+        return new, 0
+    run, value, weight = _held(new, old, cap, run)
+    return old + alpha * weight * (value - old), run
 
 
 class AdaptiveDraftLength(DraftPolicy):
@@ -224,7 +227,7 @@ class AdaptiveDraftLength(DraftPolicy):
             `probe_budget` of the time (then up to 8 times that interval).
         probe_budget: the share of decoding time that probing a losing drafter may cost.
         outlier: a timing over this many times its prediction counts as that much, and as
-            a quarter of a sample, unless `HELD_RUN` such came in a row (`_timing`). On a
+            a quarter of a sample, unless `HELD_RUN` such came in a row (`_held`). On a
             busy machine a step now and then takes several times its cost (the thread
             preempted, a collection); short steps would otherwise be judged by those. A
             round this much quicker than a plain step also has the plain step timed again.
@@ -270,7 +273,7 @@ class AdaptiveDraftLength(DraftPolicy):
         self._speculating = False  # the last choice was a speculative round that won
         self._waiting: int | None = None  # the arm a one-step wait was taken for
         self._retimed = False  # the plain step was timed again since the last refresh
-        self._held_plain = self._held_wait = 0  # held-up timings in a row (`_timing`)
+        self._held_plain = self._held_wait = 0  # held-up timings in a row (`_held`)
 
     def resume(self) -> None:
         """Start another generation with what was learned (the estimates stay, and so does
@@ -398,40 +401,28 @@ class AdaptiveDraftLength(DraftPolicy):
         predicted = self._seconds_at(arm, drafted)
         # Before its first round an arm is predicted by the prior, which may miss a costly
         # drafter by more than `outlier`: then only a far outlier is cut.
-        cap = (self.outlier if a.seconds.sums[0] > 0 else 3.0) * predicted
-        # As in `_timing`: a held-up round counts at the cap and as a quarter of one, so a
-        # held-up round now and then does not move the line up by much; `HELD_RUN` of them
-        # in a row are a cost that rose (a drafter slower on this text, a busier machine).
-        a.held = a.held + 1 if seconds > cap else 0
-        if a.held >= HELD_RUN:
-            cap, weight = 3.0 * predicted, 1.0
-        else:
-            weight = 1.0 if seconds <= cap else OUTLIER_WEIGHT
-        a.seconds.add(drafted, min(seconds, cap), keep=self.decay, weight=weight)
+        cap = self.outlier if a.seconds.sums[0] > 0 else 3.0
+        a.held, value, weight = _held(seconds, predicted, cap, a.held)
+        a.seconds.add(drafted, value, keep=self.decay, weight=weight)
         if self.plain is not None and seconds * self.outlier < self.plain and not self._retimed:
             # A round is a target pass at least: the plain timing was held up. Time it again
             # (once between refreshes, in case rounds here really are that quick).
             self.plain, self._retimed = None, True
 
-    def _over(self, average: float | None, sample: float) -> bool:
-        """Whether `sample` is held up against `average` (`_timing`)."""
-        return average is not None and sample > self.outlier * average
-
     def observe_plain(self, tokens: int, seconds: float) -> None:
         if self._waiting is not None:  # a wait: charged to the drafter that had nothing
             self.arms[self._waiting].waits += tokens
-            run = self._held_wait = (
-                self._held_wait + 1 if self._over(self.wait, seconds / tokens) else 0
+            self.wait, self._held_wait = _timing(
+                self.wait, seconds / tokens, self.alpha, self.outlier, self._held_wait
             )
-            self.wait = _timing(self.wait, seconds / tokens, self.alpha, self.outlier, run)
             self._waiting = None
             return
         if self._rounds_since_plain >= self.refresh_every:
             self._retimed = False
         weight = min(1.0, self.alpha * tokens)  # a long stretch counts as several samples
-        over = self._over(self.plain, seconds / tokens)
-        run = self._held_plain = self._held_plain + 1 if over else 0
-        self.plain = _timing(self.plain, seconds / tokens, weight, self.outlier, run)
+        self.plain, self._held_plain = _timing(
+            self.plain, seconds / tokens, weight, self.outlier, self._held_plain
+        )
         self._since_spec += tokens
         self._rounds_since_plain = 0
 
