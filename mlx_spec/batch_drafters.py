@@ -270,6 +270,9 @@ class _ModelDrafter(BatchDrafter):
                 token = draw(p, gumbel(drawing, (p.shape[-1],)))  # [B]
                 probs.append(p)
             tokens.append(token)
+            # Each draft computes while the next pass is built (the passes run one after
+            # another; built all before any ran, a lone row's K = 4 waited 1.2-1.9 ms).
+            mx.async_eval(token)
             lengths = [1 if k > step + 1 else 0 for k in want]
             if self.needs_hidden:  # the module's own output at the drawing position
                 hidden = self.model.feedback

@@ -151,8 +151,9 @@ class StepTrace:
     """Where one step's seconds went (`BatchEngine.trace`): rows B, drafts K, catch-up
     tokens, the tokens it emitted over its rows; `choose` (a speculative step's, below the
     fields): the rows' asks and the policy's plan; `draft_build`: building the drafters' graphs
-    (the device idle); `draft_queue`: queueing them (on a CPU, MLX returns only once a
-    bounded number of its operations are still pending, so this runs most of the drafting);
+    (a model drafter's passes each queued as it is built, the next built while it runs: on a
+    CPU, where MLX returns from queueing only once a bounded number of its operations are
+    still pending, most of the drafting); `draft_queue`: queueing what is left;
     `verify_build`: building the verifying pass while the drafts finish; `verify`: waiting
     for it; `host`: reading the outcome, the rows' bookkeeping and the policy (the device idle
     again). A plain step (K = 0; each pass is queued before the last is read) is timed from
