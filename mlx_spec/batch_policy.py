@@ -722,7 +722,8 @@ class BatchDraftPolicy:
         horizon: the speculative steps a catch-up is expected to serve (its cost is spread
             over them when choosing), until measured: per set of drafters that catch up,
             the steps they went on drafting after their catch-ups (`_horizon`, a decayed
-            mean behind this prior of weight 2). In a group at 8 rows on a 2-core x86 the
+            mean behind this prior of weight 2); never more than the catching-up rows have
+            left (`_serves`). In a group at 8 rows on a 2-core x86 the
             MTP head went on drafting for far fewer than 8 steps after most of its
             catch-ups, priced at an eighth of their cost a step, which took 7-27% of the
             runs (`batch_engine.py --keep-prompt-cache --trace`).
@@ -963,8 +964,30 @@ class BatchDraftPolicy:
 
     def _rate(self, asks, rows: list[tuple[int | None, int]], tokens: float) -> float:
         shape = self.shape(rows)
-        spread = self.catch_up(asks, rows) / self._horizon(shape[2])
+        horizon = self._serves(asks, rows, shape, tokens)
+        spread = self.catch_up(asks, rows) / horizon
         return tokens / self.costs.seconds(*shape, spread)
+
+    def _serves(self, asks, rows, shape: tuple, tokens: float) -> float:
+        """The speculative steps a catch-up of the plan (`rows`, one (arm, k) per ask) is
+        spread over: its drafters' measured horizon (`_horizon`), at most the steps its
+        catching-up rows have left, their budgets (`RowAsk.left`) at the plan's tokens a
+        row. A row near its end cannot repay a catch-up over eight steps: at 5 rows on a
+        2-core x86, the end of an 8-client burst, the group's steps that fed the draft
+        model 170 tokens of history took 92-121 ms against a plain step's 12, priced as if
+        the rows had a horizon's steps to go."""
+        horizon = self._horizon(shape[2])
+        per_row = max(1.0, tokens / max(shape[0], 1))
+        longest = 0
+        for ask, (arm, k) in zip(asks, rows, strict=True):
+            if arm is None or k <= 0 or arm not in ask.arms:
+                continue
+            backlog = ask.backlog[ask.arms.index(arm)] if ask.backlog else 0
+            if backlog > k:
+                longest = max(longest, ask.left or UNTOLD_LEFT)
+        if not longest:
+            return horizon
+        return max(1.0, min(horizon, longest / per_row))
 
     def _backlogged(self, arms: tuple) -> tuple:
         """The drafters of `arms` that pile up a backlog while they sit out (model
@@ -1096,7 +1119,8 @@ class BatchDraftPolicy:
                 shape = merged.shape(plan)
                 if only is None and len(shape[2]) > 1:
                     variants += [arm for arm in shape[2] if arm not in variants]
-                spread = merged.catch_up(plan) / self._horizon(shape[2])
+                horizon = self._serves(merged.distinct, plan, shape, tokens)
+                spread = merged.catch_up(plan) / horizon
                 seconds = self.costs.seconds(*shape, spread)
                 rate = tokens / seconds
                 if merged.slows(plan, accept, seconds, plain_seconds):
@@ -1149,7 +1173,10 @@ class BatchDraftPolicy:
             ending = {}
             for big_k, (plan, shape, _, _) in plans.items():
                 if big_k <= best[1]:
-                    spread = merged.catch_up(plan) / self._horizon(shape[2])
+                    tokens = merged.tokens(plan, accept)
+                    spread = merged.catch_up(plan) / self._serves(
+                        merged.distinct, plan, shape, tokens
+                    )
                     ending[big_k] = self._finish_rate(merged, plan, shape, spread, accept)
             plain_end = self._finish_rate(merged, None, None, 0.0, accept)
             finish = max(ending, key=ending.get)

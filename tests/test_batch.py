@@ -1980,6 +1980,30 @@ def test_a_catch_up_is_spread_over_the_steps_it_served():
     assert after < before  # the same catch-up, spread over fewer steps
 
 
+def test_a_catch_up_is_spread_over_no_more_steps_than_its_rows_have_left():
+    """A row near the end of its budget cannot repay a catch-up over the horizon's steps: a
+    plan whose rows must catch up spreads the catch-up over the steps they have left at the
+    plan's tokens a row (`_serves`), and is priced dearer for rows about to end; rows with
+    nothing to catch up beyond the step's own drafts keep the horizon."""
+    policy = BatchDraftPolicy(["ngram", "mtp"], alone=(1,), chained=(1,))
+    for _ in range(5):
+        policy.observe([(None, 0)] * 4, [(0, 0)] * 4, 10e-3)
+    rows = [(1, 2)] * 4
+    shape = policy.shape(rows)
+    horizon = policy._horizon((1,))
+
+    def asks(backlog, left):
+        return [RowAsk([0, 1], None, 8, [None, None], [0, backlog], left=left)] * 4
+
+    assert policy._serves(asks(40, 60), rows, shape, 10.0) == horizon
+    assert policy._serves(asks(40, 5), rows, shape, 10.0) == 2.0  # 5 tokens at 2.5 a step
+    assert policy._serves(asks(40, 1), rows, shape, 10.0) == 1.0  # at least the step itself
+    assert policy._serves(asks(2, 5), rows, shape, 10.0) == horizon  # no catch-up beyond K
+    lookup = [(0, 2)] * 4  # the lookup piles up no backlog
+    assert policy._serves(asks(40, 5), lookup, policy.shape(lookup), 10.0) == horizon
+    assert policy._rate(asks(40, 5), rows, 10.0) < policy._rate(asks(40, 60), rows, 10.0)
+
+
 def test_exploring_steps_do_not_force_a_measured_drafter_that_must_catch_up():
     """A group of 8 rows: the n-gram lookup keeps 70% of its drafts, a draft model 30% and
     costs a pass per draft. Once the draft model's acceptance is measured, the plans leave
