@@ -973,9 +973,9 @@ class BatchDraftPolicy:
         spread over: its drafters' measured horizon (`_horizon`), at most the steps its
         catching-up rows have left, their budgets (`RowAsk.left`) at the plan's tokens a
         row. A row near its end cannot repay a catch-up over eight steps: at 5 rows on a
-        2-core x86, the end of an 8-client burst, the group's steps that fed the draft
-        model 170 tokens of history took 92-121 ms against a plain step's 12, priced as if
-        the rows had a horizon's steps to go."""
+        2-core x86, the end of an 8-client burst, a group's step that fed the draft model
+        171 tokens of history took 92 ms against a plain step's 12, priced as if the rows
+        had a horizon's steps to go."""
         horizon = self._horizon(shape[2])
         per_row = max(1.0, tokens / max(shape[0], 1))
         longest = 0
