@@ -702,6 +702,11 @@ class BatchChoice:
     # exploring step: another width or drafter), "probe", "follow" (the step after a switch
     # out of plain decoding, repeating its plan to price its width).
     why: str = "best"
+    # What the policy priced the step at: (tokens, seconds) of its plan as the cost model and
+    # the acceptance estimates have them (a catch-up's cost spread as when choosing), or None
+    # (a follow step, a drafter tried for the first time): `StepTrace` keeps it beside what
+    # the step realised, so that a trace shows how well the policy's prices hold.
+    expected: tuple[float, float] | None = None
 
 
 class BatchDraftPolicy:
@@ -1191,7 +1196,10 @@ class BatchDraftPolicy:
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
                 if hopeful is not None:
                     rows = merged.rows(hopeful[2])
-                    return self._choice(asks, hopeful[1], rows, only=hopeful[3], why="explore")
+                    priced = self._priced(merged, hopeful[2], hopeful[0], accept)
+                    return self._choice(
+                        asks, hopeful[1], rows, only=hopeful[3], why="explore", expected=priced
+                    )
                 arm = self._untried(merged, best, accept)
                 if arm is not None and (self._steps // self.explore_every) % 2:
                     rows = self._plan(merged, best[1], accept, arm)[0]
@@ -1200,12 +1208,19 @@ class BatchDraftPolicy:
                 # width has a plan without one, that plan explores it.
                 plans = {k: calm.get(k, plan) for k, plan in plans.items()}
                 big_k = self._explore(best[1], plans)
-                rows = merged.rows(plans[big_k][0])
-                return self._choice(asks, big_k, rows, only=plans[big_k][3], why="explore")
+                plan, _, rate, only = plans[big_k]
+                priced = self._priced(merged, plan, rate, accept)
+                return self._choice(
+                    asks, big_k, merged.rows(plan), only=only, why="explore", expected=priced
+                )
             if ending is not None and finish != best[1]:
-                plan, _, _, only = plans[finish]
-                return self._choice(asks, finish, merged.rows(plan), only=only, why="closed")
-            return self._choice(asks, best[1], merged.rows(best[2]), only=best[3])
+                plan, _, rate, only = plans[finish]
+                priced = self._priced(merged, plan, rate, accept)
+                return self._choice(
+                    asks, finish, merged.rows(plan), only=only, why="closed", expected=priced
+                )
+            priced = self._priced(merged, best[2], best[0], accept)
+            return self._choice(asks, best[1], merged.rows(best[2]), only=best[3], expected=priced)
         self._speculating = False
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
@@ -1224,7 +1239,10 @@ class BatchDraftPolicy:
             if any(self.trials[arm][0] < self.thin for arm in drafting):
                 self._probe_every = min(self._probe_every, self.probe_max)
             rows = merged.rows(probe[2])
-            return self._choice(asks, probe[1], rows, probe=True, only=probe[3], why="probe")
+            priced = self._priced(merged, probe[2], probe[0], accept)
+            return self._choice(
+                asks, probe[1], rows, probe=True, only=probe[3], why="probe", expected=priced
+            )
         if signature is not None:
             self._quiet = [signature, self.recheck - 1]
         return BatchChoice(0, plain_rows, why=why)
@@ -1343,9 +1361,24 @@ class BatchDraftPolicy:
         return min(candidates, key=known)
 
     def _choice(
-        self, asks, big_k: int, rows, probe: bool = False, only=None, window=None, why="best"
+        self,
+        asks,
+        big_k: int,
+        rows,
+        probe: bool = False,
+        only=None,
+        window=None,
+        why="best",
+        expected=None,
     ) -> BatchChoice:
-        return BatchChoice(big_k, rows, probe, self.catch_up(asks, rows), only, window, why)
+        catch_up = self.catch_up(asks, rows)
+        return BatchChoice(big_k, rows, probe, catch_up, only, window, why, expected)
+
+    @staticmethod
+    def _priced(merged: _Merged, plan: list, rate: float, gains: _Gains):
+        """(tokens, seconds) of a plan the policy rated `rate` tokens per second."""
+        tokens = merged.tokens(plan, gains)
+        return (tokens, tokens / rate) if rate > 0 else None
 
     def replan(self, asks: list[RowAsk], choice: BatchChoice) -> BatchChoice:
         """The rows' drafts for the K already chosen, from asks made since (no new choice)."""
@@ -1354,7 +1387,14 @@ class BatchDraftPolicy:
             asks = [_without(ask, choice.window) for ask in asks]
         rows = self._plan(asks, choice.num_draft, self._gains(), only=choice.only)[0]
         return self._choice(
-            asks, choice.num_draft, rows, choice.probe, choice.only, choice.window, choice.why
+            asks,
+            choice.num_draft,
+            rows,
+            choice.probe,
+            choice.only,
+            choice.window,
+            choice.why,
+            choice.expected,
         )
 
     def join_pays(

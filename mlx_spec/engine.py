@@ -157,7 +157,11 @@ class StepTrace:
     `verify_build`: building the verifying pass while the drafts finish; `verify`: waiting
     for it; `host`: reading the outcome, the rows' bookkeeping and the policy (the device idle
     again). A plain step (K = 0; each pass is queued before the last is read) is timed from
-    the last step read to its own, all in `verify`. `columns`: the target cache's columns
+    the last step read to its own, all in `verify`; a run of them starts with a step of no
+    tokens, `why` "start" (queueing the first pass, which on a CPU returns once most of it
+    ran: its tokens come with the next step), and ends with "flush" (its last pass read as
+    the run stops: a speculative step, rows leaving), so that every second of decoding is in
+    some step. `columns`: the target cache's columns
     in use after the step (what a pass attends over, per row), `held`: the tokens its rows
     hold, on average (rows out of step make `columns` exceed `held`: every row's pass
     attends over the longest row's columns)."""
@@ -179,6 +183,10 @@ class StepTrace:
     # lookup, its drafters' backlogs) and the policy's plan, the device idle (on a switch out
     # of plain decoding, reading the plain step still queued too).
     choose: float = 0.0
+    # What the policy priced a speculative step at (`BatchChoice.expected`): its tokens and
+    # seconds (0: not priced, as a follow step).
+    expected_tokens: float = 0.0
+    expected_seconds: float = 0.0
 
 
 class StepLog:
@@ -871,7 +879,9 @@ class BatchEngine:
         rows = [(None if a < 0 else a, k) for a, k in zip(flat[5::2], flat[6::2], strict=True)]
         only = None if flat[3] < 0 else flat[3]
         window = None if flat[4] < 0 else flat[4]
-        return BatchChoice(flat[0], rows, bool(flat[1]), flat[2], only, window, choice.why)
+        return BatchChoice(
+            flat[0], rows, bool(flat[1]), flat[2], only, window, choice.why, choice.expected
+        )
 
     # --- plain steps, pipelined -------------------------------------------------------------
 
@@ -881,11 +891,19 @@ class BatchEngine:
         handles the last. A row that ends stops the pipeline (the step queued after it is
         emitted at once for the others)."""
         if self._ahead is None:
+            tic = time.perf_counter()
             self._ahead = self._launch(rows, mx.array([r.tokens[-1] for r in rows], mx.uint32))
             if not all(self._pipelinable(r) for r in rows):
                 self._flush(choice)
             else:  # the pipeline starts: the next settle times one step, not two
                 self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
+                if self.trace is not None:
+                    # Queueing a pass returns once most of it ran (on a CPU, MLX waits while
+                    # more than a few of its operations are pending): the pipeline's first
+                    # pass is timed here, its tokens with the next step's.
+                    spans = [0.0, 0.0, 0.0, self._last_settle - tic, 0.0]
+                    step = StepTrace(len(rows), 0, 0, 0, *spans, *self._widths(), why="start")
+                    self.trace.append(step)
             return
         ahead = self._launch(rows, self._ahead.tokens)
         self._settle(self._ahead, choice)
@@ -956,6 +974,10 @@ class BatchEngine:
                 spans = [0.0, 0.0, 0.0, seconds, 0.0]
                 step = StepTrace(len(ahead.ids), 0, 0, emitted, *spans, *self._widths())
                 self.trace.append(step)
+        elif self.trace is not None:  # the pipeline's last pass, read as it stops
+            spans = [0.0, 0.0, 0.0, now - self._last_settle - self._prefill_spent, 0.0]
+            step = StepTrace(len(ahead.ids), 0, 0, emitted, *spans, *self._widths(), why="flush")
+            self.trace.append(step)
         self._last_settle, self._prefill_spent = now, 0.0
 
     def _flush(self, choice=None) -> None:
@@ -1038,6 +1060,7 @@ class BatchEngine:
             widths = self._widths()
             arms = sorted({arm for arm, asked in choice.rows if arm is not None and asked})
             drafters = "+".join(self.names[a] for a in arms)
+            expected = choice.expected or (0.0, 0.0)
             self.trace.append(
                 StepTrace(
                     len(rows),
@@ -1049,6 +1072,8 @@ class BatchEngine:
                     choice.why,
                     drafters,
                     choose=max(0.0, tic - self._last_decode),
+                    expected_tokens=expected[0],
+                    expected_seconds=expected[1],
                 )
             )
 

@@ -8,6 +8,9 @@ rows drafted with, the policy's reason, where its milliseconds went and `t`, whe
   step's milliseconds, tokens per step and tokens per millisecond, against plain steps (K = 0);
 - the time between steps (prefills, model drafters taking rows in, an idle server), which no
   step's time holds;
+- the speculative steps' prices: the tokens and milliseconds the policy expected of each
+  kind of step against those it realised (how far the cost model and the acceptance
+  estimates it chose by held);
 - where `server_load.py --trace-steps FILE` wrote FILE.marks.jsonl beside it (each load run's
   mode, N and times), a table per mode and N: the speculative steps' share of the runs,
   tokens per millisecond of plain and speculative steps, the time between steps, the tail
@@ -72,9 +75,49 @@ def by_kind(steps: list[dict], top: int | None = None) -> list[str]:
         tokens = sum(s["tokens"] for s in group)
         rows, k, why, drafters = key
         lines.append(
-            f"| {rows} | {k} | {why if k else 'plain'} | {drafters or '-'} | {len(group)} "
+            f"| {rows} | {k} | {_reason(k, why)} | {drafters or '-'} | {len(group)} "
             f"| {100 * ms / total:.1f}% | {statistics.median(s['ms'] for s in group):.2f} "
             f"| {tokens / len(group):.1f} | {tokens / ms if ms else 0.0:.2f} |"
+        )
+    return lines
+
+
+def _reason(k: int, why: str) -> str:
+    """A step's reason as the tables name it: a plain step's is "plain", or where it starts
+    or ends a run of plain steps "plain (start)" / "plain (flush)"."""
+    if k:
+        return why
+    return f"plain ({why})" if why in ("start", "flush") else "plain"
+
+
+def calibration(steps: list[dict]) -> list[str]:
+    """Lines of a table of the speculative steps the policy priced (`expected_seconds`), by
+    reason, drafters and whether they caught up: the tokens and milliseconds a step it
+    expected and those the steps realised, and realised tokens per ms over expected. A
+    catch-up's cost is spread over the steps it serves when choosing, so those steps realise
+    more milliseconds than priced by design; elsewhere a ratio well under 1 is a policy
+    that overrates the steps it takes. No lines where no step was priced (an older trace)."""
+    groups = defaultdict(list)
+    for s in steps:
+        if s["num_draft"] and s.get("expected_seconds"):
+            groups[(s["why"], s["drafters"], bool(s["catch_up"]))].append(s)
+    if not groups:
+        return []
+    lines = [
+        "| reason | drafters | catch-up | steps | tokens a step: expected / realised "
+        "| ms a step: expected / realised | tokens per ms: realised over expected |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key in sorted(groups, key=lambda k: -len(groups[k])):
+        group = groups[key]
+        n = len(group)
+        tokens = sum(s["expected_tokens"] for s in group) / n, sum(s["tokens"] for s in group) / n
+        ms = 1000 * sum(s["expected_seconds"] for s in group) / n, sum(s["ms"] for s in group) / n
+        ratio = (tokens[1] / ms[1]) / (tokens[0] / ms[0]) if ms[1] and tokens[0] else 0.0
+        why, drafters, catch_up = key
+        lines.append(
+            f"| {why} | {drafters} | {'yes' if catch_up else 'no'} | {n} "
+            f"| {tokens[0]:.1f} / {tokens[1]:.1f} | {ms[0]:.1f} / {ms[1]:.1f} | {ratio:.2f} |"
         )
     return lines
 
@@ -202,6 +245,10 @@ def run(args) -> int:
     print("\n".join(overall(steps)))
     print()
     print("\n".join(by_kind(steps, args.top)))
+    priced = calibration(steps)
+    if priced:
+        print()
+        print("\n".join(priced))
     marks = args.marks or f"{args.trace}.marks.jsonl"
     if Path(marks).is_file():
         print()

@@ -291,7 +291,17 @@ def test_engine_trace_records_each_step(loaded):
     # where rows are out of step or rejected drafts left columns empty.
     assert all(0 < t.held <= t.columns for t in engine.trace)
     assert any(t.columns > t.held for t in engine.trace)
-    assert all(t.why in ("best", "explore", "probe", "follow") for t in engine.trace)
+    assert all(
+        t.why in ("best", "explore", "probe", "follow", "start", "flush") for t in engine.trace
+    )
+    # A run of plain steps starts with its first pass queued (a step of no tokens) and ends
+    # with its last read as it stops (its tokens dropped for rows that ended meanwhile);
+    # those steps are traced too.
+    starts = [t for t in plain if t.why == "start"]
+    assert starts and all(t.tokens == 0 for t in starts)
+    assert any(t.why == "flush" for t in plain)
+    # Rows with a fixed k draft it whatever a step would cost: no step is priced.
+    assert all(t.expected_seconds == t.expected_tokens == 0 for t in engine.trace)
     # Each finished row's pace: its tokens, drafts and time (`RowTrace`).
     rows = sorted(engine.row_trace, key=lambda r: r.tokens)
     assert [r.tokens for r in rows] == sorted(len(tokens) for tokens, _ in results)
@@ -299,6 +309,41 @@ def test_engine_trace_records_each_step(loaded):
         (final.stats.drafted, final.stats.accepted) for _, final in results
     )
     assert all(r.seconds >= 0 and r.paced > 0 and r.accepted <= r.drafted for r in rows)
+
+
+def test_the_trace_keeps_the_policys_price_of_each_step(loaded, tmp_path, capsys):
+    """Each speculative step the policy chose by rate (a best, probing or exploring step) keeps
+    the tokens and seconds the policy priced it at: tokens within what its rows could emit,
+    a positive time; a follow step repeats its switch step's plan unpriced; plain steps have
+    no price. `mlx-spec steps` lays them beside what the steps realised."""
+    from mlx_spec import step_timeline as timeline
+
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
+    path = tmp_path / "steps.jsonl"
+    engine.trace = StepLog(path)
+    run_all(engine, busy_requests(scored_vocab(model, tok), "draft-model", "auto"))
+    steps = timeline.load(str(path))
+    spec = [s for s in steps if s["num_draft"]]
+    priced = [s for s in spec if s["expected_seconds"] > 0]
+    assert priced and all(s["why"] in ("best", "probe", "explore", "closed") for s in priced)
+    assert all(
+        s["rows"] <= s["expected_tokens"] <= s["rows"] * (1 + s["num_draft"]) for s in priced
+    )
+    assert all(
+        s["expected_seconds"] == s["expected_tokens"] == 0 for s in spec if s["why"] == "follow"
+    )
+    assert all(s["expected_seconds"] == 0 for s in steps if not s["num_draft"])
+    table = timeline.calibration(steps)
+    assert sum(int(line.split("|")[4]) for line in table[2:]) == len(priced)
+    if len(table) == 3:  # one kind: its row holds the means
+        cells = [float(c) for c in table[2].split("|")[5].split("/")]
+        expected = sum(s["expected_tokens"] for s in priced) / len(priced)
+        realised = sum(s["tokens"] for s in priced) / len(priced)
+        assert cells == pytest.approx([expected, realised], abs=0.05)
+    capsys.readouterr()
+    assert timeline.main([str(path)]) == 0
+    assert "tokens a step: expected / realised" in capsys.readouterr().out
 
 
 def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
