@@ -10,7 +10,7 @@ rows drafted with, the policy's reason, where its milliseconds went and `t`, whe
   step's time holds;
 - the speculative steps' prices: the tokens and milliseconds the policy expected of each
   kind of step against those it realised (how far the cost model and the acceptance
-  estimates it chose by held);
+  estimates it chose by held), per mode and N where the load runs are marked;
 - where `server_load.py --trace-steps FILE` wrote FILE.marks.jsonl beside it (each load run's
   mode, N and times), a table per mode and N: the speculative steps' share of the runs,
   tokens per millisecond of plain and speculative steps, the time between steps, the tail
@@ -90,36 +90,49 @@ def _reason(k: int, why: str) -> str:
     return f"plain ({why})" if why in ("start", "flush") else "plain"
 
 
-def calibration(steps: list[dict]) -> list[str]:
+def calibration(steps: list[dict], marks: list[dict] | None = None) -> list[str]:
     """Lines of a table of the speculative steps the policy priced (`expected_seconds`), by
-    reason, drafters and whether they caught up: the tokens and milliseconds a step it
-    expected and those the steps realised, and realised tokens per ms over expected. A
+    reason, drafters and whether they caught up (with `marks`, the load runs of
+    `server_load.py --trace-steps`: per mode and N too): the tokens and milliseconds a step
+    it expected and those the steps realised, and realised tokens per ms over expected. A
     catch-up's cost is spread over the steps it serves when choosing, so those steps realise
     more milliseconds than priced by design; elsewhere a ratio well under 1 is a policy
     that overrates the steps it takes. No lines where no step was priced (an older trace)."""
+    runs = [(None, steps)] if marks is None else [(m, _inside(steps, m)) for m in marks]
     groups = defaultdict(list)
-    for s in steps:
-        if s["num_draft"] and s.get("expected_seconds"):
-            groups[(s["why"], s["drafters"], bool(s["catch_up"]))].append(s)
+    for mark, part in runs:
+        run = () if mark is None else (mark["mode"], mark["n"])
+        for s in part:
+            if s["num_draft"] and s.get("expected_seconds"):
+                groups[(*run, s["why"], s["drafters"], bool(s["catch_up"]))].append(s)
     if not groups:
         return []
+    lead = "" if marks is None else "| mode | N "
     lines = [
-        "| reason | drafters | catch-up | steps | tokens a step: expected / realised "
+        f"{lead}| reason | drafters | catch-up | steps | tokens a step: expected / realised "
         "| ms a step: expected / realised | tokens per ms: realised over expected |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        ("" if marks is None else "| --- | ---: ")
+        + "| --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for key in sorted(groups, key=lambda k: -len(groups[k])):
+    order = sorted(groups, key=lambda k: (k[:-3], -len(groups[k])))
+    for key in order:
         group = groups[key]
         n = len(group)
         tokens = sum(s["expected_tokens"] for s in group) / n, sum(s["tokens"] for s in group) / n
         ms = 1000 * sum(s["expected_seconds"] for s in group) / n, sum(s["ms"] for s in group) / n
         ratio = (tokens[1] / ms[1]) / (tokens[0] / ms[0]) if ms[1] and tokens[0] else 0.0
-        why, drafters, catch_up = key
+        *run, why, drafters, catch_up = key
+        cells = "".join(f"| {c} " for c in run)
         lines.append(
-            f"| {why} | {drafters} | {'yes' if catch_up else 'no'} | {n} "
+            f"{cells}| {why} | {drafters} | {'yes' if catch_up else 'no'} | {n} "
             f"| {tokens[0]:.1f} / {tokens[1]:.1f} | {ms[0]:.1f} / {ms[1]:.1f} | {ratio:.2f} |"
         )
     return lines
+
+
+def _inside(steps: list[dict], mark: dict) -> list[dict]:
+    """The steps whose clock time falls within a marked load run."""
+    return [s for s in steps if "wall" in s and mark["start"] <= s["wall"] <= mark["end"]]
 
 
 def overall(steps: list[dict]) -> list[str]:
@@ -187,10 +200,9 @@ def by_run(steps: list[dict], marks: list[dict]) -> list[str]:
     groups: dict[tuple, list[list[dict]]] = defaultdict(list)
     for mark in marks:
         inside = []
-        for s in steps:
-            if "wall" in s and mark["start"] <= s["wall"] <= mark["end"]:
-                since = 1000 * (s["wall"] - mark["start"]) - s["ms"]  # the run's own time
-                inside.append({**s, "gap_ms": max(0.0, min(s["gap_ms"], since))})
+        for s in _inside(steps, mark):
+            since = 1000 * (s["wall"] - mark["start"]) - s["ms"]  # the run's own time
+            inside.append({**s, "gap_ms": max(0.0, min(s["gap_ms"], since))})
         groups[(mark["mode"], mark["n"])].append((mark, inside))
     lines = [
         "| mode | N | runs | speculative steps' share | tokens per ms: plain / speculative "
@@ -245,14 +257,15 @@ def run(args) -> int:
     print("\n".join(overall(steps)))
     print()
     print("\n".join(by_kind(steps, args.top)))
-    priced = calibration(steps)
+    marks = args.marks or f"{args.trace}.marks.jsonl"
+    runs = load_marks(marks) if Path(marks).is_file() else None
+    priced = calibration(steps, runs)
     if priced:
         print()
         print("\n".join(priced))
-    marks = args.marks or f"{args.trace}.marks.jsonl"
-    if Path(marks).is_file():
+    if runs is not None:
         print()
-        print("\n".join(by_run(steps, load_marks(marks))))
+        print("\n".join(by_run(steps, runs)))
     elif args.marks:
         print(f"mlx-spec steps: no such file: {args.marks}", file=sys.stderr)
         return 2

@@ -344,6 +344,17 @@ def test_the_trace_keeps_the_policys_price_of_each_step(loaded, tmp_path, capsys
     capsys.readouterr()
     assert timeline.main([str(path)]) == 0
     assert "tokens a step: expected / realised" in capsys.readouterr().out
+    # With the load runs marked (`server_load.py --trace-steps`): per mode and N.
+    middle = priced[len(priced) // 2]["wall"]
+    marks = [
+        {"mode": "draft-model", "n": 4, "repeat": 1, "start": 0.0, "end": middle},
+        {"mode": "draft-model", "n": 2, "repeat": 1, "start": middle + 1e-6, "end": 2e10},
+    ]
+    table = timeline.calibration(steps, marks)
+    assert table[0].startswith("| mode | N | reason")
+    runs = {line.split("|")[2].strip() for line in table[2:]}
+    assert "4" in runs and runs <= {"4", "2"}
+    assert sum(int(line.split("|")[6]) for line in table[2:]) == len(priced)
 
 
 def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
