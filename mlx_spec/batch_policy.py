@@ -1398,13 +1398,24 @@ class BatchDraftPolicy:
         )
 
     def join_pays(
-        self, arm: int, rows: int, probe: bool = True, tokens: int = 0, life: float = 0.0
+        self,
+        arm: int,
+        rows: int,
+        probe: bool = True,
+        tokens: int = 0,
+        life: float = 0.0,
+        always_cheap: bool = True,
     ) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt
         (`tokens` of it), to decode `life` more tokens.
 
         - Where the join costs, for as many rows as the batch holds, at most a third of
-          `join_budget` of the plain time of the row's expected life (`_cheap`): always. It
+          `join_budget` of the plain time of the row's expected life (`_cheap`), and
+          `always_cheap`: always. (Not so for a state the prompt cache saved, nor a row
+          that left the drafter out taking it in late: those are judged by what the
+          drafter does at that size alone, below. A saved state costs nothing to take in,
+          and a row joined to a drafter costs the steps the policy weighs it in, its
+          catch-ups and its probes.) It
           keeps the drafter at hand for the policy and the guard to use step by step, which
           a row turned away at its start never is: a lone user's MTP head (one layer over
           the prompt to join), judged by the hard openings of the first requests' text, was
@@ -1430,7 +1441,7 @@ class BatchDraftPolicy:
         verdict of 0.8: every 32nd). A size the batch passes through on its way down (8
         rows, then 7 as a row ends) is thus priced, not joined blindly: a late join feeds
         the drafter a whole history."""
-        if self._cheap(arm, rows, tokens, life, self.join_budget / 3):
+        if always_cheap and self._cheap(arm, rows, tokens, life, self.join_budget / 3):
             return True
         guarded = bool(self._watched(rows, {arm}))
         ratio = self.guard.verdict(rows, arm) if guarded else None

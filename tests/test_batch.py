@@ -2169,3 +2169,55 @@ def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
     assert sum(windows(guard, 12, 0.010, set())) <= 4
     assert guard.ratio(1, 0) < 0.9 and guard.ratio(1, 0, drafted=True) is None
     assert sum(windows(guard, 12, 0.012, {0})) >= 8
+
+
+def test_a_saved_drafter_state_is_taken_in_where_the_policy_drafts_with_it(loaded):
+    """A model drafter's state that the prompt cache saved costs nothing to take in, but a
+    group's row joined to the drafter costs the steps the policy weighs it in, its
+    catch-ups and its probes (on a 2-core x86 the group at 8 rows, with a prompt cache kept
+    across requests, joined every row to every model drafter it had a state of and ran at
+    0.91x of plain decoding; 0.97x judging those joins): a group's prompt asked again takes
+    its saved state in where the policy drafts with the drafter at that size, and leaves it
+    out where the policy has stopped (not taking it in late either, however cheap). A row
+    whose only drafter it is takes its saved state in. Every answer equals plain
+    decoding."""
+    model, tok, draft, _ = loaded["llama"]
+    tok = with_eos(tok)
+    vocab = scored_vocab(model, tok)
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=2, row_cache=RowCache())
+    policy, arm = engine.policy, 1
+    policy.probe_join = 10**6  # no row joins to keep the drafter measured
+    always_draft(engine, arm)
+    rounds = []
+    for drafter, drafts in [("all", True), ("all", True), ("draft-model", False), ("all", False)]:
+        req = busy_requests(vocab, drafter, "auto")[2]  # 60 tokens
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        if not drafts:
+            for _ in range(100):  # a lone row that could draft with it: plain steps only
+                policy.observe([(arm, 0)], [(0, 0)], 0.01)
+        ((tokens, final),) = run_all(engine, [req])
+        assert tokens == plain.tokens
+        assert final.stats.cached_tokens or not rounds
+        rounds.append(final.stats.drafter_rounds.get("draft-model", 0))
+        assert not any(d.rows for d in drafters.values())
+    first, saved, alone, stopped = rounds
+    assert first > 0 and saved > 0 and alone > 0 and stopped == 0, rounds
+
+
+def test_a_saved_state_is_judged_by_use_alone():
+    """`join_pays` with `always_cheap` False (a saved state, a late join): at a size where
+    the policy hardly drafted with the drafter, a join however cheap is turned away (every
+    `probe_join`-th row still joins, to keep it measured); where it drafts with it, taken."""
+    policy = BatchDraftPolicy(["mtp"], join_budget=0.03, probe_join=4)
+    policy.observe_join(0, 100, 5.0)  # the first: compiling
+    policy.observe_join(0, 100, 0.002)  # 20 us a token
+    for _ in range(40):  # B = 4: never drafted
+        policy.observe([(0, 0)] * 4, [(0, 0)] * 4, 0.01)
+    assert policy.join_pays(0, 4, probe=False, tokens=8, life=64)  # cheap: taken
+    assert not policy.join_pays(0, 4, probe=False, tokens=8, life=64, always_cheap=False)
+    joined = [policy.join_pays(0, 4, tokens=8, life=64, always_cheap=False) for _ in range(8)]
+    assert joined == [False, False, False, True] * 2
+    for _ in range(40):  # now it drafts with it
+        policy.observe([(0, 2)] * 4, [(2, 1)] * 4, 0.015)
+    assert policy.join_pays(0, 4, probe=False, tokens=8, life=64, always_cheap=False)
