@@ -682,18 +682,16 @@ class BatchEngine:
         hidden = self._all_hidden(row)
         auto = not isinstance(row.request.num_draft, int)
         states = [row.states.pop(self.names[arm], None) for arm in row.arms]
-        wanted = []
+        grouped, wanted = self._grouped(row), []
         for arm, state in zip(row.arms, states, strict=True):
-            if not (auto and self.drafters[self.names[arm]].feeds_prompt):
-                wanted.append(True)
-                continue
             # Saved: a state that covers most of the prompt (not another prompt's that
-            # began alike); else it would be fed the whole prompt.
+            # began alike); else it would be fed the whole prompt. A row's only drafter
+            # takes its saved state in: how often the policy drafts with it at this size is
+            # mostly how often a group's rows preferred their others (the guard judges its
+            # steps).
             saved = state is not None and 2 * row.common >= len(row.tokens)
-            if saved and not self._grouped(row):
-                # A row's only drafter: how often the policy drafts with it at this size is
-                # mostly how often a group's rows preferred their others (the guard judges
-                # its steps).
+            model = auto and self.drafters[self.names[arm]].feeds_prompt
+            if not model or (saved and not grouped):
                 wanted.append(True)
                 continue
             tokens = len(row.tokens) - (row.common if saved else 0)
