@@ -49,17 +49,22 @@ cheaper drafter, rows skip the pass, and take the drafter in later if the batch 
 size where it pays (fewer rows: the end of a busy spell).
 
 A closed batch (every slot taken, nothing waiting to join: the engine's `closed`, each
-step) ends when its last row does. Rows drafting K tokens gain 1..K+1 tokens a step, so the
-wider the steps the further the rows drift apart, and the batch ends in a tail of the rows
-whose drafts failed, a few rows at a time, at the dearer steps' price (on a 2-core x86 a
-step of 3 rows costs 0.8 of a step of 8; on a GPU about as much): 27-36% of an 8-client
-run of the lookup through the server on that CPU, 25% of the group's on an H100. There
-the policy prices each K's best plan, and plain decoding, by when it would end the batch
-(`_finish_rate`: each row's budget at its expected tokens a step, spread by their
-variance, the batch narrowing as rows end), and takes the one that ends it first,
-speculation by the margin: a row whose drafts fail ends no sooner than plain decoding
-would end it, at dearer steps, so the K that wins is the one its rows' slowest can bear.
-A lone row and an open batch keep the best K by rate (a freed slot is filled again).
+step) serves its own rows alone: no request waits for what its steps gain. A step that
+speeds some rows and not others trades one user's time for another's (every row pays the
+wider pass), and it puts the rows out of step: they end apart, their clients' next requests
+join one at a time (a pass and a pipeline restart each), and the batch runs part-empty
+until they have. So there the policy takes a plan only where every row is expected to gain
+by it (`_slowest`: a row's drafting share times its drafter's E(k) at its level, over the
+plan's price against a plain step's), by the margin, the best such plan by rate; no probe
+runs, nor an exploring step (the batch passes through other sizes as rows end and join,
+where they do), and while no plan passes the engine holds the batch to plain steps for
+`closed_hold` steps without the rows' asks (`BatchEngine`). On a 2-core x86 at 8 rows
+(a pass verifying one draft a row 1.33x a plain one), 8 clients of equal requests through
+the server: the group 0.87x of plain decoding with the batch priced by when it would end
+(every K's plan and plain decoding; the rule before this one), 0.97-1.00x so. Where a
+wider pass costs little more (a memory-bound GPU), every row with drafts to be had gains
+and the batch drafts as an open one does. A lone row and an open batch keep the best K by
+rate (a freed slot is filled again, and a waiting request gains by the batch's pace).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
 plain steps broken, rows out of step) a guard measures per drafter at 2 rows or more, and
@@ -72,9 +77,7 @@ now and then (`_Guard`).
 
 from __future__ import annotations
 
-import functools
 import math
-import statistics
 from dataclasses import dataclass, field, replace
 
 from mlx_spec.policy import _ema, chain_acceptance, count_round, expected_tokens
@@ -102,7 +105,7 @@ class RowAsk:
             than it may (the engine's ledger, `BatchEngine.pace_slack`): no step may be
             expected to slow it further (`_Merged.slows`).
         left: the tokens it may still emit (its budget; 0: not told, as `UNTOLD_LEFT`): a
-            closed batch's choice weighs when each row will end (`_finish_rate`).
+            catch-up is spread over no more steps than its rows have left (`_serves`).
         drafting: the share of its recent asks that had drafts to be had (`RowRecord`): an
             n-gram lookup finds none on some steps, and a row's pace to its end is its
             drafts' on those that do.
@@ -188,14 +191,6 @@ LEVELS = 4  # acceptance levels per doubling (`_Gains.of`)
 UNTOLD_LEFT = 64  # a row's tokens still to emit where its ask does not tell (`RowAsk.left`)
 
 
-@functools.cache
-def _order_statistics(count: int) -> tuple[float, ...]:
-    """The expected order statistics of `count` standard normal draws, least first (Blom's
-    approximation)."""
-    normal = statistics.NormalDist()
-    return tuple(normal.inv_cdf((j + 0.625) / (count + 0.25)) for j in range(count))
-
-
 class _Gains(list):
     """E(k) for k = 0..max_draft per arm (`gains[arm][k]`), and `of(arm, level)`: the same
     for a row whose acceptance at every position is the arm's times 2^(level / LEVELS) (at
@@ -218,23 +213,6 @@ class _Gains(list):
     def _accept(self, arm: int, level: int) -> list[float]:
         scale = 2.0 ** (level / LEVELS)
         return [min(0.98, a * scale) for a in self.acceptance[arm]]
-
-    def variance(self, arm: int, level: int = 0) -> list[float]:
-        """Per k, the variance of the tokens a round of k drafts emits (as `of`'s E(k)):
-        j + 1 tokens where the first j drafts are kept and the next is not."""
-        key = ("variance", arm, level)
-        if key not in self._scaled:
-            accept, out = self._accept(arm, level), [0.0]
-            for k in range(1, len(self[arm])):
-                reach, first, second = 1.0, 0.0, 0.0  # P(j drafts kept), E(t), E(t^2)
-                for j in range(k):
-                    stop = reach * (1.0 - accept[j])  # j kept, the next not: j + 1 tokens
-                    first, second = first + stop * (j + 1), second + stop * (j + 1) ** 2
-                    reach *= accept[j]
-                first, second = first + reach * (k + 1), second + reach * (k + 1) ** 2
-                out.append(max(0.0, second - first * first))
-            self._scaled[key] = out
-        return self._scaled[key]
 
 
 class _Merged:
@@ -765,8 +743,11 @@ class BatchDraftPolicy:
             against what the drafter's acceptance over all rows expects of the positions it
             reached, each side with this many pseudo-drafts kept as expected (0: every row
             at the drafter's acceptance).
-        finish: in a closed batch (`closed`: every slot taken, nothing waiting), choose K
-            by when it would end the batch (`_finish_rate`); False: by rate, as any batch.
+        every_row: in a closed batch (`closed`: every slot taken, nothing waiting), take a
+            plan only where every row is expected to gain by it, and neither probe nor
+            explore (see the module); False: by rate, as any batch.
+        closed_hold: while a closed batch finds no such plan, the steps the engine holds
+            it to plain decoding without asking its rows (`held`).
 
     The search over K stops past best + 1 at a K whose best plan promises under
     `stop_below` (0.85) of the best rate, and never goes beyond what a row can draft.
@@ -796,12 +777,13 @@ class BatchDraftPolicy:
         alone=(),
         chained=(),
         own_weight: float = 2.0,
-        finish: bool = True,
+        every_row: bool = True,
+        closed_hold: int = 16,
     ):
         self.arms, self.max_draft = list(arms), max_draft
         # A closed batch (`closed`, set by the engine each step: every slot taken, nothing
-        # waiting to join) takes the K that ends it first (see the module).
-        self.closed, self.finish = False, finish
+        # waiting to join) drafts only where every row gains (see the module).
+        self.closed, self.every_row, self.closed_hold = False, every_row, closed_hold
         self.hits = [[0.0] * max_draft for _ in arms]
         self.trials = [[0.0] * max_draft for _ in arms]
         self.prior_accept, self.prior_weight, self.decay = prior_accept, prior_weight, decay
@@ -1171,28 +1153,28 @@ class BatchDraftPolicy:
             best = held
         needed = self.margin / 2 if self._speculating else self.margin
         speculate = not held_back and best[0] > plain_rate * (1 + needed)
-        ending, why = None, "best"
-        if speculate and self.closed and self.finish and len(asks) > 1:
-            # A closed batch ends when its last row does: each K (its best plan) and plain
-            # decoding priced by when they would end it (`_finish_rate`).
-            ending = {}
-            for big_k, (plan, shape, _, _) in plans.items():
-                if big_k <= best[1]:
-                    tokens = merged.tokens(plan, accept)
-                    spread = merged.catch_up(plan) / self._serves(
-                        merged.distinct, plan, shape, tokens
-                    )
-                    ending[big_k] = self._finish_rate(merged, plan, shape, spread, accept)
-            plain_end = self._finish_rate(merged, None, None, 0.0, accept)
-            finish = max(ending, key=ending.get)
-            if ending[finish] <= plain_end * (1 + needed):
-                # Plain decoding ends it first: a probe's loss is priced as the end is.
-                speculate, why = False, "closed"
-                rate = plain_rate * ending[finish] / plain_end
-                best = (rate, finish, plans[finish][0], plans[finish][3])
+        why, chosen = "best", None
+        closed = self.closed and self.every_row and len(asks) > 1
+        if speculate and closed:
+            # A closed batch serves its own rows alone: a plan is taken only where every
+            # row is expected to gain by it (`_slowest`), the best such plan by rate.
+            borne = []
+            for big_k, (plan, shape, rate, _) in plans.items():
+                tokens = merged.tokens(plan, accept)
+                spread = merged.catch_up(plan) / self._serves(merged.distinct, plan, shape, tokens)
+                if self._slowest(merged, plan, shape, spread, accept) > 1 + needed:
+                    borne.append((rate, big_k))
+            speculate, why = bool(borne), "closed"
+            chosen = max(borne)[1] if borne else None
         if speculate:
             self._speculating, self._since_spec, self._probe_every = True, 0, self.probe_min
             self._steps += 1
+            if chosen is not None:  # (a closed batch: no exploring step, see the module)
+                plan, _, rate, only = plans[chosen]
+                priced = self._priced(merged, plan, rate, accept)
+                return self._choice(
+                    asks, chosen, merged.rows(plan), only=only, why="closed", expected=priced
+                )
             if self._steps % self.explore_every == 0:  # another K keeps the costs honest
                 if hopeful is not None:
                     rows = merged.rows(hopeful[2])
@@ -1213,15 +1195,14 @@ class BatchDraftPolicy:
                 return self._choice(
                     asks, big_k, merged.rows(plan), only=only, why="explore", expected=priced
                 )
-            if ending is not None and finish != best[1]:
-                plan, _, rate, only = plans[finish]
-                priced = self._priced(merged, plan, rate, accept)
-                return self._choice(
-                    asks, finish, merged.rows(plan), only=only, why="closed", expected=priced
-                )
             priced = self._priced(merged, best[2], best[0], accept)
             return self._choice(asks, best[1], merged.rows(best[2]), only=best[3], expected=priced)
         self._speculating = False
+        if closed and unmeasured is None and not self._thin(self._offered):
+            # No probe but of what is not known yet (a drafter set no step has used, a
+            # drafter with few rounds behind its acceptance): as rows end and join, the
+            # batch passes through other sizes.
+            return BatchChoice(0, plain_rows, why="closed")
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
             # A set of drafters no step has used is priced by the prior alone (no better
@@ -1235,8 +1216,7 @@ class BatchDraftPolicy:
             # loss it predicts) is a guess: two unlucky probes of a cold start would space
             # the next ones out by hundreds of steps, and a drafter keeping 85% of its
             # drafts stayed unused. Its probes come at least every `probe_max` steps.
-            drafting = merged.shape(probe[2])[2]
-            if any(self.trials[arm][0] < self.thin for arm in drafting):
+            if self._thin(merged.shape(probe[2])[2]):
                 self._probe_every = min(self._probe_every, self.probe_max)
             rows = merged.rows(probe[2])
             priced = self._priced(merged, probe[2], probe[0], accept)
@@ -1247,56 +1227,32 @@ class BatchDraftPolicy:
             self._quiet = [signature, self.recheck - 1]
         return BatchChoice(0, plain_rows, why=why)
 
-    def _finish_rate(self, merged: _Merged, plan, shape, spread: float, gains) -> float:
-        """Tokens per second of a closed batch's rows to the end of their budgets
-        (`RowAsk.left`) were every step drafted as `plan` (per distinct ask; None: plain
-        decoding), the batch growing narrower as rows end.
+    def _thin(self, arms) -> bool:
+        """Whether a drafter of `arms` has fewer than `thin` rounds behind its acceptance."""
+        return any(self.trials[arm][0] < self.thin for arm in arms)
 
-        Row i ends after about n_i = L_i / E_i steps, E_i its tokens a step: 1 + d_i (E(k)
-        - 1), with d_i the share of its recent steps that had drafts to be had
+    def _slowest(self, merged: _Merged, plan, shape, spread: float, gains) -> float:
+        """The least, over the rows, of a row's expected tokens per second were every step
+        drafted as `plan` (per distinct ask), over a plain step's.
+
+        A row's tokens a step are 1 + d (E(k) - 1): E(k) its drafter's at the row's own
+        acceptance level, d the share of its recent steps that had drafts to be had
         (`RowAsk.drafting`; a row with none now is priced at its drafter's E(k) for when it
-        has). The tokens of a row's rounds vary (1 .. k + 1: `_Gains.variance`), so n_i has
-        a standard deviation of sqrt(L_i V_i / E_i^3), and of B rows alike the last ends
-        about 1.4 of them after their mean (B = 8: the expected order statistics of B
-        normal draws, `_order_statistics`). The rows end in the order of their means, each
-        at its mean moved by its rank's order statistic, and the time is the sum over the
-        stretches between endings of their steps at the rows still running. A plan that
-        draws more tokens a step from rows that keep their drafts and as many from those
-        that do not ends the batch no sooner than plain decoding would: the rows left in
-        its tail decode at its dearer steps."""
-        ends, total = [], 0.0
+        has, at that share); a row with no drafter, 1. Every row pays the plan's step."""
+        seconds = self.costs.seconds(*shape, spread)
+        plain = self.costs.plain_seconds(shape[0])
+        least = math.inf
         for ask, i in zip(merged.asks, merged.of_row, strict=True):
-            left = float(ask.left or UNTOLD_LEFT)
-            total += left
-            gain, variance = 1.0, 0.0
-            if plan is not None:
-                distinct, (arm, k) = merged.distinct[i], plan[i]
-                if arm is None or k <= 0:  # none to be had now: its drafter's at K later
-                    k = min(shape[1], distinct.limit) if distinct.fixed is None else 0
-                    levels = {a: distinct.level(a) for a in distinct.arms}
-                    arm = max(levels, key=lambda a: gains.of(a, levels[a])[k], default=None)
-                if arm is not None and k > 0:
-                    level = distinct.level(arm)
-                    drafted = gains.of(arm, level)[k] - 1.0
-                    varies = gains.variance(arm, level)[k]
-                    # A step with drafts gains 1 + drafted, one without 1.
-                    had = ask.drafting
-                    gain = 1.0 + had * drafted
-                    variance = had * varies + had * (1.0 - had) * drafted**2
-            ends.append((left / gain, math.sqrt(left * variance / gain**3)))
-        ends.sort()
-        order = _order_statistics(len(ends))
-        steps = sorted(mean + z * sd for (mean, sd), z in zip(ends, order, strict=True))
-        seconds, before, rows = 0.0, 0.0, len(steps)
-        for end in steps:
-            if end > before:
-                if plan is None:
-                    step = self.costs.plain_seconds(rows)
-                else:
-                    step = self.costs.seconds(rows, shape[1], shape[2], spread)
-                seconds, before = seconds + (end - before) * step, end
-            rows -= 1
-        return total / seconds if seconds > 0 else 0.0
+            distinct, (arm, k) = merged.distinct[i], plan[i]
+            if arm is None or k <= 0:  # none to be had now: its drafter's at K later
+                k = min(shape[1], distinct.limit) if distinct.fixed is None else 0
+                levels = {a: distinct.level(a) for a in distinct.arms}
+                arm = max(levels, key=lambda a: gains.of(a, levels[a])[k], default=None)
+            gain = 1.0
+            if arm is not None and k > 0:
+                gain += ask.drafting * (gains.of(arm, distinct.level(arm))[k] - 1.0)
+            least = min(least, gain * plain / seconds)
+        return least
 
     @staticmethod
     def _signature(asks: list[RowAsk]) -> tuple | None:

@@ -371,6 +371,7 @@ class BatchEngine:
         # squeezed once they exceed the longest row's by this share and 8. The A/B of
         # `benchmarks/batch_rows.py` sets them as they were (False; 1.0).
         self.reuse_rows, self.columns_slack = True, 0.1
+        self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -864,16 +865,12 @@ class BatchEngine:
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
         self._last_decode = time.perf_counter()
         free = all(not isinstance(r.request.num_draft, int) for r in rows)
+        ids = [r.id for r in rows]
         choice = self.policy.barred(len(rows), {a for r in rows for a in r.arms}, free)
         if choice is None:  # the guard's plain window does not decide it: the rows ask
-            # Every slot taken, nothing waiting or joining: a closed batch, which ends when
-            # its last row does (`BatchDraftPolicy._finish_rate`).
-            full = len(rows) >= self.max_batch
-            self.policy.closed = full and not self.waiting and self._joining is None
-            choice = self.policy.choose([self._ask(r) for r in rows])
+            choice = self._closed_choice(rows, ids, free)
         choice = self._shared(choice)
         plain = not any(k for _, k in choice.rows)
-        ids = [r.id for r in rows]
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
             self._flush()  # the pipeline of plain steps ends here
             if plain or [r.id for r in self.active] != ids:
@@ -887,6 +884,25 @@ class BatchEngine:
             self._speculative_step(rows, choice)
         for row in [r for r in self.active if r.done]:
             self._remove(row, keep_cache=True)
+
+    def _closed_choice(self, rows: list[_Row], ids: list[int], free: bool) -> BatchChoice:
+        """The policy's choice for the rows' asks. Every slot taken, nothing waiting or
+        joining: a closed batch, which drafts only where every row gains
+        (`BatchDraftPolicy`'s `every_row`); where it found no plan that does, the same rows
+        decode plainly for its `closed_hold` steps without asking (a row's ask is a host's
+        work per step, an n-gram lookup and each drafter's backlog, which a CPU's passes
+        share)."""
+        full = len(rows) >= self.max_batch
+        closed = full and not self.waiting and self._joining is None
+        hold, self._hold = self._hold, None
+        if closed and hold is not None and hold[0] == ids and hold[1] > 0:
+            self._hold = (ids, hold[1] - 1)
+            return BatchChoice(0, [(None, 0)] * len(rows), why="closed")
+        self.policy.closed = closed
+        choice = self.policy.choose([self._ask(r) for r in rows])
+        if closed and free and choice.why == "closed" and not any(k for _, k in choice.rows):
+            self._hold = (ids, self.policy.closed_hold - 1)
+        return choice
 
     def _shared(self, choice: BatchChoice) -> BatchChoice:
         """Rank 0's choice on every rank of a sharded target (the choice itself otherwise)."""
