@@ -56,12 +56,13 @@ join one at a time (a pass and a pipeline restart each), and the batch runs part
 until they have. So there the policy takes a plan only where every row is expected to gain
 by it (`_slowest`: a row's drafting share times its drafter's E(k) at its level, over the
 plan's price against a plain step's), by the margin, the best such plan by rate; no probe
-runs, nor an exploring step (the batch passes through other sizes as rows end and join,
-where they do), and while no plan passes the engine holds the batch to plain steps for
+runs (but of a drafter set no step has used), nor an exploring step (the batch passes
+through other sizes as rows end and join, where they do), and while no plan passes the engine holds the batch to plain steps for
 `closed_hold` steps without the rows' asks (`BatchEngine`). On a 2-core x86 at 8 rows
 (a pass verifying one draft a row 1.33x a plain one), 8 clients of equal requests through
-the server: the group 0.87x of plain decoding with the batch priced by when it would end
-(every K's plan and plain decoding; the rule before this one), 0.97-1.00x so. Where a
+the server, six alternated rounds: the group 0.88x of plain decoding on average with the
+batch priced by when it would end (every K's plan and plain decoding; the rule before this
+one), 1.00x so (`benchmarks/README.md`). Where a
 wider pass costs little more (a memory-bound GPU), every row with drafts to be had gains
 and the batch drafts as an open one does. A lone row and an open batch keep the best K by
 rate (a freed slot is filled again, and a waiting request gains by the batch's pace).
