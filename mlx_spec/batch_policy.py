@@ -57,14 +57,14 @@ until they have. So there the policy takes a plan only where every row is expect
 by it (`_slowest`: a row's drafting share times its drafter's E(k) at its level, over the
 plan's price against a plain step's), by the margin, the best such plan by rate; no probe
 runs (but of a drafter set no step has used), nor an exploring step (the batch passes
-through other sizes as rows end and join, where they do), and while no plan passes the engine holds the batch to plain steps for
-`closed_hold` steps without the rows' asks (`BatchEngine`). On a 2-core x86 at 8 rows
-(a pass verifying one draft a row 1.33x a plain one), 8 clients of equal requests through
-the server, six alternated rounds: the group 0.88x of plain decoding on average with the
-batch priced by when it would end (every K's plan and plain decoding; the rule before this
-one), 1.00x so (`benchmarks/README.md`). Where a
-wider pass costs little more (a memory-bound GPU), every row with drafts to be had gains
-and the batch drafts as an open one does. A lone row and an open batch keep the best K by
+through other sizes as rows end and join, where they do), and while no plan passes the
+engine holds the batch to plain steps for `closed_hold` steps without the rows' asks
+(`BatchEngine._closed_choice`). On a 2-core x86 at 8 rows (a pass verifying one draft a
+row 1.33x a plain one), 8 clients of equal requests through the server, six alternated
+rounds: the group 0.88x of plain decoding on average with the batch priced by when it
+would end (every K's plan and plain decoding; the rule before this one), 1.00x so
+(`benchmarks/README.md`). Where a wider pass costs little more (a memory-bound GPU), every
+row with drafts to be had gains and the batch drafts as an open one does. A lone row and an open batch keep the best K by
 rate (a freed slot is filled again, and a waiting request gains by the batch's pace).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
@@ -748,7 +748,7 @@ class BatchDraftPolicy:
             plan only where every row is expected to gain by it, and neither probe nor
             explore (see the module); False: by rate, as any batch.
         closed_hold: while a closed batch finds no such plan, the steps the engine holds
-            it to plain decoding without asking its rows (`held`).
+            it to plain decoding without asking its rows (`BatchEngine._closed_choice`).
 
     The search over K stops past best + 1 at a K whose best plan promises under
     `stop_below` (0.85) of the best rate, and never goes beyond what a row can draft.
