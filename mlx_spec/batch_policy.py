@@ -1364,9 +1364,18 @@ class BatchDraftPolicy:
         tokens: int = 0,
         life: float = 0.0,
         always_cheap: bool = True,
+        late: bool = False,
     ) -> bool:
         """Whether a row joining a batch of `rows` rows should feed drafter `arm` its prompt
-        (`tokens` of it), to decode `life` more tokens.
+        (`tokens` of it), to decode `life` more tokens; `late`: a row of the batch that left
+        the drafter out at joining, to feed it its whole sequence so far.
+
+        - A late join (`tokens` told) that would cost more than `join_budget` of the plain
+          time of the row's `life` left (`_repays`): never. Whatever the drafter does at
+          that size, a row near its end cannot earn a history's feed back: at the end of a
+          burst of 8 equal requests on a 2-core x86, the last row took in the draft model
+          and the MTP head (150 tokens, 17 ms, two plain steps of its own) with 2 tokens
+          left.
 
         - Where the join costs, for as many rows as the batch holds, at most a third of
           `join_budget` of the plain time of the row's expected life (`_cheap`), and
@@ -1400,6 +1409,8 @@ class BatchDraftPolicy:
         verdict of 0.8: every 32nd). A size the batch passes through on its way down (8
         rows, then 7 as a row ends) is thus priced, not joined blindly: a late join feeds
         the drafter a whole history."""
+        if late and tokens > 0 and not self._repays(arm, rows, tokens, life):
+            return False
         if always_cheap and self._cheap(arm, rows, tokens, life, self.join_budget / 3):
             return True
         guarded = bool(self._watched(rows, {arm}))
@@ -1450,6 +1461,15 @@ class BatchDraftPolicy:
             return False
         plain = self.costs.plain_seconds(rows)
         return rows * per_token * tokens <= budget * life * plain
+
+    def _repays(self, arm: int, rows: int, tokens: int, life: float) -> bool:
+        """Whether one row feeding drafter `arm` `tokens` tokens costs at most `join_budget`
+        of the plain time of `life` steps of `rows` rows (the batch waits while it feeds);
+        True while the drafter's cost per token is unmeasured."""
+        per_token = self._join_cost.get(arm)
+        if per_token is None or self._plain_seen < 2:
+            return True
+        return per_token * tokens <= self.join_budget * life * self.costs.plain_seconds(rows)
 
     def observe_join(self, arm: int, tokens: int, seconds: float) -> None:
         """Drafter `arm` took a row in, fed `tokens` tokens, in `seconds` (the first join

@@ -741,7 +741,13 @@ class BatchEngine:
         skipped = [(row, arm) for row in self.active for arm in row.skipped]
         wanted = [
             self.policy.join_pays(
-                arm, size, False, len(row.tokens), self._life_left(row), not self._grouped(row)
+                arm,
+                size,
+                False,
+                len(row.tokens),
+                self._life_left(row),
+                not self._grouped(row),
+                late=True,
             )
             for row, arm in skipped
         ]

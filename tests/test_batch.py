@@ -1173,6 +1173,26 @@ def test_a_row_joins_a_model_drafter_only_where_the_policy_drafts_with_it():
     assert policy.join_pays(1, 2, probe=False)
 
 
+def test_a_late_join_must_repay_its_feed_within_the_life_the_row_has_left():
+    """A row that left a model drafter out at joining and would take it in late feeds it its
+    whole sequence, while the batch waits. Where the drafter drafts at that size, a row with
+    most of its budget ahead takes it in; a row about to end (the last row of a burst, 2
+    tokens left, 150 of history) does not, whatever the drafter does there; an admission
+    (not late) is judged as before. While the drafter's cost per token is unmeasured, a late
+    join goes ahead (its steps must be measured)."""
+    policy = BatchDraftPolicy(["ngram", "draft"])
+    assert policy.join_pays(1, 1, False, 150, 2.0, False, late=True)  # nothing measured
+    for _ in range(40):  # a lone row drafting with the draft model: 8 ms a plain step
+        policy.observe([(None, 0)], [(0, 0)], 8e-3)
+        policy.observe([(1, 2)], [(2, 1)], 10e-3)
+    for tokens in (100, 150, 200):  # 0.1 ms a token fed (the first join compiles: untimed)
+        policy.observe_join(1, tokens, tokens * 0.1e-3)
+    assert policy.join_pays(1, 1, False, 150, 2.0, False)  # the drafter pays at this size
+    assert not policy.join_pays(1, 1, False, 150, 2.0, False, late=True)
+    assert not policy.join_pays(1, 1, False, 150, 40.0, False, late=True)  # 15 ms > 3% of 320
+    assert policy.join_pays(1, 1, False, 150, 200.0, False, late=True)  # 15 ms < 3% of 1.6 s
+
+
 def test_a_size_the_policy_has_not_seen_is_priced_by_its_cost_model():
     """At a batch size without steps of its own (7 rows, on the way down from 8), whether a
     row joins the draft model follows the cost model fitted at the sizes seen: where verifying
