@@ -64,8 +64,9 @@ row 1.33x a plain one), 8 clients of equal requests through the server, six alte
 rounds: the group 0.88x of plain decoding on average with the batch priced by when it
 would end (every K's plan and plain decoding; the rule before this one), 1.00x so
 (`benchmarks/README.md`). Where a wider pass costs little more (a memory-bound GPU), every
-row with drafts to be had gains and the batch drafts as an open one does. A lone row and an open batch keep the best K by
-rate (a freed slot is filled again, and a waiting request gains by the batch's pace).
+row with drafts to be had gains and the batch drafts as an open one does. A lone row and
+an open batch keep the best K by rate (a freed slot is filled again, and a waiting request
+gains by the batch's pace).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
 plain steps broken, rows out of step) a guard measures per drafter at 2 rows or more, and
