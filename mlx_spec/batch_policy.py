@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from statistics import NormalDist
 
 from mlx_spec.policy import _ema, chain_acceptance, count_round, expected_tokens
 
@@ -108,9 +109,9 @@ class RowAsk:
             expected to slow it further (`_Merged.slows`).
         left: the tokens it may still emit (its budget; 0: not told, as `UNTOLD_LEFT`): a
             catch-up is spread over no more steps than its rows have left (`_serves`).
-        drafting: the share of its recent asks that had drafts to be had (`RowRecord`): an
-            n-gram lookup finds none on some steps, and a row's pace to its end is its
-            drafts' on those that do.
+        drafting: per arm in `arms`, the share of its recent asks where that drafter had
+            drafts to be had (`RowRecord`; empty: always): an n-gram lookup finds none on
+            some steps, a model drafter always has.
     """
 
     arms: list[int]
@@ -122,10 +123,14 @@ class RowAsk:
     levels: list[int] = field(default_factory=list)
     behind: bool = False
     left: int = 0
-    drafting: float = 1.0
+    drafting: list[float] = field(default_factory=list)
 
     def level(self, arm: int) -> int:
         return self.levels[self.arms.index(arm)] if self.levels else 0
+
+    def share(self, arm: int) -> float:
+        """The share of its recent asks where drafter `arm` had drafts to be had."""
+        return self.drafting[self.arms.index(arm)] if self.drafting else 1.0
 
     def keeping(self, indices: list[int]) -> RowAsk:
         """The ask with the drafters at `indices` of `arms` alone."""
@@ -140,6 +145,7 @@ class RowAsk:
             backlog=kept(self.backlog),
             own=kept(self.own),
             levels=kept(self.levels),
+            drafting=kept(self.drafting),
         )
 
 
@@ -152,9 +158,9 @@ class RowRecord:
     first rounds held the row to them long after."""
 
     own: dict = field(default_factory=dict)
-    # The share of its recent asks with drafts to be had (`RowAsk.drafting`), each ask
-    # weighing 1 / (1 - HAD) times the one before it.
-    had: float = 1.0
+    # Per drafter, the share of its recent asks where it had drafts to be had
+    # (`RowAsk.drafting`), each ask weighing 1 / (1 - HAD) times the one before it.
+    had: dict = field(default_factory=dict)
 
     DECAY = 0.7
     HAD = 0.85
@@ -180,17 +186,23 @@ class RowRecord:
         left: int = 0,
     ) -> RowAsk:
         own = [self.own.get(a) for a in arms]
-        if arms and limit > 0:
-            has = any(a is None or a > 0 for a in available)
-            self.had = self.HAD * self.had + (1.0 - self.HAD) * has
+        if limit > 0:
+            for arm, avail in zip(arms, available, strict=False):
+                has = avail is None or avail > 0
+                self.had[arm] = self.HAD * self.had.get(arm, 1.0) + (1.0 - self.HAD) * has
         return RowAsk(
             arms, fixed, limit, available, backlog, own, behind=behind, left=left,
-            drafting=self.had,
+            drafting=[self.had.get(a, 1.0) for a in arms],
         )  # fmt: skip
 
 
 LEVELS = 4  # acceptance levels per doubling (`_Gains.of`)
 UNTOLD_LEFT = 64  # a row's tokens still to emit where its ask does not tell (`RowAsk.left`)
+
+
+def largest_normal(n: int) -> float:
+    """The expected largest of `n` standard normal draws (Blom's approximation; 0 for one)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
 
 
 class _Gains(list):
@@ -211,6 +223,18 @@ class _Gains(list):
             accept = self._accept(arm, level)
             self._scaled[key] = [expected_tokens(accept, k) for k in range(len(self[arm]))]
         return self._scaled[key]
+
+    def moments(self, arm: int, level: int, k: int) -> tuple[float, float]:
+        """The mean and variance of the tokens a step drafting `k` gives a row at `level`:
+        with P(A >= j) the chance its first j drafts are kept, E = 1 + sum_j P(A >= j) and
+        E[(1 + A)^2] = 1 + sum_j (2j + 1) P(A >= j)."""
+        accept = self._accept(arm, level) if level else self.acceptance[arm]
+        mean, square, keep = 1.0, 1.0, 1.0
+        for j, a in enumerate(accept[:k], start=1):
+            keep *= a
+            mean += keep
+            square += (2 * j + 1) * keep
+        return mean, max(square - mean * mean, 0.0)
 
     def _accept(self, arm: int, level: int) -> list[float]:
         scale = 2.0 ** (level / LEVELS)
@@ -463,6 +487,17 @@ class _Costs:
         drafting = big_k * self.draft_seconds(rows, arms)
         least = max(least, self.plain_seconds(rows) + self.switch_share(arms) + drafting)
         return least + self.weights(arms)[3] * catch_up
+
+    def floor(self, rows: int, big_k: int) -> float | None:
+        """The least a step of `rows` rows verifying `big_k` drafts a row may cost, whatever
+        drafted them: no less than the cheapest such step of any drafter set that ran one,
+        nor than one verifying fewer (None: no set ran one of `big_k` or fewer)."""
+        cheapest: dict[int, float] = {}  # K -> the cheapest set's step at this size
+        for (_, b, k), (total, weight) in self.cells.items():
+            if b == rows and k <= big_k and weight > 0:
+                seconds = self.plain_seconds(b) + total / weight
+                cheapest[k] = min(cheapest.get(k, seconds), seconds)
+        return max(cheapest.values(), default=None)
 
     def draft_seconds(self, rows: int, arms: tuple) -> float:
         """Seconds a draft position of drafters `arms` takes at `rows` rows, at least: as
@@ -1200,12 +1235,15 @@ class BatchDraftPolicy:
             priced = self._priced(merged, best[2], best[0], accept)
             return self._choice(asks, best[1], merged.rows(best[2]), only=best[3], expected=priced)
         self._speculating = False
-        if closed and unmeasured is None:
-            # No probe but of a drafter set no step has used (its cost a guess): as rows
-            # end and join, the batch passes through other sizes. (Nor of a drafter with
-            # few rounds behind its acceptance: a group's model drafters, which its rows
-            # seldom prefer to the lookup, stay so, and their probes with catch-ups cost
-            # 8 rows on a 2-core x86 what the rule saved.)
+        if closed and (unmeasured is None or not self._may_bear(merged, unmeasured[2], accept)):
+            # No probe but of a drafter set no step has used (its cost a guess), and only
+            # where the rule could take it at the least its step may cost: no less than a
+            # step of as many rows verifying as many drafts with any set that ran one
+            # (`_Costs.floor`). Else, as rows end and join, the batch passes through other
+            # sizes, where probes measure it. (Nor of a drafter with few rounds behind its
+            # acceptance: a group's model drafters, which its rows seldom prefer to the
+            # lookup, stay so, and their probes with catch-ups cost 8 rows on a 2-core x86
+            # what the rule saved.)
             return BatchChoice(0, plain_rows, why="closed")
         if self._since_spec >= self._probe_every:
             self._since_spec = 0
@@ -1235,28 +1273,54 @@ class BatchDraftPolicy:
         """Whether a drafter of `arms` has fewer than `thin` rounds behind its acceptance."""
         return any(self.trials[arm][0] < self.thin for arm in arms)
 
-    def _slowest(self, merged: _Merged, plan, shape, spread: float, gains) -> float:
-        """The least, over the rows, of a row's expected tokens per second were every step
-        drafted as `plan` (per distinct ask), over a plain step's.
+    def _may_bear(self, merged: _Merged, plan, gains) -> bool:
+        """Whether a closed batch could take `plan` of a drafter set no step has used at the
+        least its step may cost (`_Costs.hope`, and no less than `_Costs.floor`)."""
+        shape = merged.shape(plan)
+        tokens = merged.tokens(plan, gains)
+        spread = merged.catch_up(plan) / self._serves(merged.distinct, plan, shape, tokens)
+        least = self.costs.hope(*shape, spread) or self.costs.seconds(*shape, spread)
+        floor = self.costs.floor(shape[0], shape[1])
+        least = least if floor is None else max(least, floor)
+        return self._slowest(merged, plan, shape, spread, gains, least) > 1 + self.margin
 
-        A row's tokens a step are 1 + d (E(k) - 1): E(k) its drafter's at the row's own
-        acceptance level, d the share of its recent steps that had drafts to be had
-        (`RowAsk.drafting`; a row with none now is priced at its drafter's E(k) for when it
-        has, at that share); a row with no drafter, 1. Every row pays the plan's step."""
-        seconds = self.costs.seconds(*shape, spread)
+    def _slowest(
+        self, merged: _Merged, plan, shape, spread: float, gains, seconds: float | None = None
+    ) -> float:
+        """What a closed batch's steps drafted as `plan` (per distinct ask) gain its
+        unluckiest row over the rows' lives: tokens per second over a plain step's.
+
+        Rows in step end together, as late as the one that kept the fewest drafts, so the
+        batch gains by what its unluckiest row keeps, not by a row's mean. A row drafts at
+        its share d of the steps (`RowAsk.drafting`: its drafter's share of its recent asks
+        with drafts to be had; a row with none now is priced at its drafter's E(k) for when
+        it has), so a step gives it 1 + d (E(k) - 1) tokens on average, with variance
+        d V(k) + d (1 - d) (E(k) - 1)^2 (E and V at its own acceptance level:
+        `_Gains.moments`); a row with no drafter, 1. Over the m steps its shortest-lived
+        row has left, the least of B rows' tokens is about the least mean less z_B
+        deviations (z_B the expected largest of B standard normals): per step, min mean -
+        z_B sqrt(max variance / m). Every row pays the plan's step (`seconds`; default:
+        its price)."""
+        if seconds is None:
+            seconds = self.costs.seconds(*shape, spread)
         plain = self.costs.plain_seconds(shape[0])
-        least = math.inf
+        least, wide, life = math.inf, 0.0, math.inf
         for ask, i in zip(merged.asks, merged.of_row, strict=True):
             distinct, (arm, k) = merged.distinct[i], plan[i]
             if arm is None or k <= 0:  # none to be had now: its drafter's at K later
                 k = min(shape[1], distinct.limit) if distinct.fixed is None else 0
                 levels = {a: distinct.level(a) for a in distinct.arms}
                 arm = max(levels, key=lambda a: gains.of(a, levels[a])[k], default=None)
-            gain = 1.0
+            mean, variance = 1.0, 0.0
             if arm is not None and k > 0:
-                gain += ask.drafting * (gains.of(arm, distinct.level(arm))[k] - 1.0)
-            least = min(least, gain * plain / seconds)
-        return least
+                tokens, spread_k = gains.moments(arm, distinct.level(arm), k)
+                share = ask.share(arm)
+                mean = 1.0 + share * (tokens - 1.0)
+                variance = share * spread_k + share * (1.0 - share) * (tokens - 1.0) ** 2
+            least, wide = min(least, mean), max(wide, variance)
+            life = min(life, (ask.left or UNTOLD_LEFT) / mean)
+        deficit = largest_normal(merged.size) * math.sqrt(wide / max(life, 1.0))
+        return (least - deficit) * plain / seconds
 
     @staticmethod
     def _signature(asks: list[RowAsk]) -> tuple | None:

@@ -901,22 +901,23 @@ def test_the_engine_tells_the_policy_when_its_batch_is_closed(loaded):
     assert any(closed for *_, closed in seen) and any(waiting for _, waiting, _ in seen)
 
 
-def closed_batch(policy, accepts, cost, rng, budget=64, why=None):
+def closed_batch(policy, accepts, cost, rng, budget=64, why=None, found=None):
     """Run one batch to its end: a row per acceptance in `accepts` (each of its drafts kept
     with that probability), each with `budget` tokens to emit, no row joining: closed while
     every row runs; a step of b rows verifying w tokens a row costs `cost(b, w)` seconds
     (policy None: plain decoding). Each row's seconds to its end; `why` collects the
-    reasons of the closed steps' choices."""
+    reasons of the closed steps' choices. `found`: a lookup's chance of a match at a step
+    (3 drafts then, none else; None: a model drafter, drafts always to be had)."""
     rows = [[accept, RowRecord(), budget, i] for i, accept in enumerate(accepts)]
     seconds, ends = 0.0, [0.0] * len(accepts)
     while rows:
         choice = None
         if policy is not None:
             policy.closed = len(rows) == len(accepts)
-            asks = [
-                r.ask([0], None, min(8, left - 1), [None], [], left=left)
-                for _, r, left, _ in rows
-            ]
+            asks = []
+            for _, r, left, _ in rows:
+                available = None if found is None else 3 if rng.random() < found else 0
+                asks.append(r.ask([0], None, min(8, left - 1), [available], [], left=left))
             choice = policy.choose(asks)
             if why is not None and policy.closed:
                 why.append(choice.why if any(k for _, k in choice.rows) else "plain")
@@ -974,6 +975,65 @@ def test_a_closed_batch_drafts_only_where_every_row_gains():
     plain = max(closed_batch(None, alike, gpu, random.Random(0)))
     assert max(run(alike, gpu, True)) < 0.6 * plain
     assert max(run(mixed, gpu, True)) < 1.03 * plain
+
+
+def test_a_closed_batch_drafts_by_what_its_unluckiest_row_keeps():
+    """Rows in step end together, when the row that kept the fewest drafts does. A lookup
+    that finds a match at half the steps, each row keeping 65% of its drafts where a step
+    verifying one draft a row costs 1.33x a plain one: each row's mean gains a little
+    (1.33 tokens a step), but the unluckiest of 8 keeps less, and priced by the rows' means
+    the batch ended later than plain decoding (1.007x). Priced by the unluckiest row (the
+    least mean less the deviations 8 rows spread over the steps they have left), it ends
+    no later. Where drafts are always to be had (a model drafter) and a wider pass costs
+    little, the batch still drafts, and ends well before plain decoding."""
+
+    def cpu(rows, width):
+        return 8.3e-3 + rows * (0.9e-3 + 0.65e-3 * (width - 1))
+
+    def gpu(rows, width):
+        return 5e-3 + 0.3e-3 * width + 0.05e-3 * rows * width
+
+    def slowest(accepts, cost, found):
+        rng = random.Random(0)
+        policy, why = BatchDraftPolicy(["ngram"], guard=False), []
+        for _ in range(3):  # (its own choices)
+            closed_batch(policy, accepts, cost, rng, found=found)
+        ends = [closed_batch(policy, accepts, cost, rng, why=why, found=found) for _ in range(5)]
+        return max(sum(e[i] for e in ends) / len(ends) for i in range(len(accepts))), why
+
+    rows = [0.65] * 8
+    plain = max(closed_batch(None, rows, cpu, random.Random(0)))
+    assert slowest(rows, cpu, 0.5)[0] < 1.003 * plain
+    plain = max(closed_batch(None, rows, gpu, random.Random(0)))
+    ends, why = slowest(rows, gpu, None)
+    assert ends < 0.75 * plain and why.count("closed") > 0.5 * len(why)
+
+
+def test_a_closed_batch_probes_a_new_drafter_only_where_its_step_could_pay():
+    """A drafter no step has used is priced by a guess: a closed batch probes it only
+    where the rule could take it at the least its step may cost, no less than a step of as
+    many rows verifying as many drafts (or fewer) with the drafter that ran one. Where that
+    step cost 8 rows 1.5x a plain one, a drafter guessed to keep half its drafts could not
+    pay: the batch decodes plainly (its probes wait for other sizes). Where it cost 1.02x
+    (a memory-bound GPU), it could: the batch probes it."""
+
+    def probes(verify_cost):
+        policy, rng = BatchDraftPolicy(["ngram", "draft"], guard=False), random.Random(0)
+        for _ in range(10):
+            policy.observe([(None, 0)] * 8, [(0, 0)] * 8, 15e-3)
+        for _ in range(40):  # the lookup's steps at 8 rows, K = 1
+            rows = [(0, 1)] * 8
+            policy.observe(rows, outcomes_of(rows, rng, 0.5), verify_cost * 15e-3)
+        policy.closed, why = True, []
+        for _ in range(64):
+            choice = policy.choose([RowAsk([1], None, 8, [None]) for _ in range(8)])
+            why.append(choice.why)
+            drafted = [(a, k) for a, k in choice.rows]
+            policy.observe(drafted, outcomes_of(drafted, rng, 0.5), 15e-3)
+        return why
+
+    assert "probe" not in probes(1.5)
+    assert "probe" in probes(1.02)
 
 
 def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
