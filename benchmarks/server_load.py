@@ -239,6 +239,22 @@ def versus_plain(runs: list[dict], plain: list[dict]) -> dict:
     }
 
 
+def paired_throughput(runs: list[dict], plains: list[list[dict]]) -> dict:
+    """Each repeat's throughput over the same repeat's plain decoding (the mean of its runs
+    in `plains`: `none`, and `none-again` where it ran), averaged over the repeats with its
+    standard error: a machine's spells move both sides of a repeat alike, so the pairs'
+    spread is the comparison's noise, not the spells'."""
+    ratios = []
+    for i, run in enumerate(runs):
+        base = [p[i]["throughput_tokens_per_sec"] for p in plains if i < len(p)]
+        if base and all(base):
+            ratios.append(run["throughput_tokens_per_sec"] / statistics.mean(base))
+    if not ratios:
+        return {}
+    spread = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
+    return {"throughput_vs_plain_paired": statistics.mean(ratios), "paired_se": spread}
+
+
 def _tokens_before(done: list[dict], until: float) -> float:
     """Completion tokens the requests had streamed by `until` (a request's tokens spread evenly
     over its text events: an event may carry several tokens under speculation)."""
@@ -453,8 +469,11 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
                 row[key] = statistics.median(r[key] for r in group)
         for key in ("request_latencies", "request_acceptance"):  # per repeat, client, request
             row[key] = [r[key] for r in group]
+        row["throughput_per_repeat"] = [r["throughput_tokens_per_sec"] for r in group]
         if label != "none" and ("none", n) in runs:
             row.update(versus_plain(group, runs["none", n]))
+            plains = [runs[m, n] for m in ("none", "none-again") if (m, n) in runs]
+            row.update(paired_throughput(group, plains))
         rows.append(row)
     return sorted(rows, key=lambda r: ([c[0] for c in configs].index(r["mode"]), r["concurrency"]))
 
@@ -712,9 +731,15 @@ def _format(row: dict) -> str:
 def _versus_plain_text(row: dict) -> str:
     if "slower_than_plain" not in row:
         return ""
+    paired = ""
+    if "throughput_vs_plain_paired" in row:
+        paired = (
+            f"  throughput over the same repeat's plain: {row['throughput_vs_plain_paired']:.3f}"
+            f" +- {row['paired_se']:.3f}"
+        )
     return (
         f"  per request vs plain: {row['slower_than_plain']:.0%} slower, latency ratio p50 "
-        f"{row['plain_ratio_p50']:.2f} p95 {row['plain_ratio_p95']:.2f}"
+        f"{row['plain_ratio_p50']:.2f} p95 {row['plain_ratio_p95']:.2f}" + paired
     )
 
 

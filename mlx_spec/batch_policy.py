@@ -54,17 +54,24 @@ speeds some rows and not others trades one user's time for another's (every row 
 wider pass), and it puts the rows out of step: they end apart, their clients' next requests
 join one at a time (a pass and a pipeline restart each), and the batch runs part-empty
 until they have. So there the policy takes a plan only where every row is expected to gain
-by it (`_slowest`: a row's drafting share times its drafter's E(k) at its level, over the
-plan's price against a plain step's), by the margin, the best such plan by rate; no probe
-runs (but of a drafter set no step has used), nor an exploring step (the batch passes
-through other sizes as rows end and join, where they do), and while no plan passes the
-engine holds the batch to plain steps for `closed_hold` steps without the rows' asks
-(`BatchEngine._closed_choice`). On a 2-core x86 at 8 rows (a pass verifying one draft a
-row 1.33x a plain one), 8 clients of equal requests through the server, six alternated
-rounds: the group 0.88x of plain decoding on average with the batch priced by when it
-would end (every K's plan and plain decoding; the rule before this one), 1.00x so
-(`benchmarks/README.md`). Where a wider pass costs little more (a memory-bound GPU), every
-row with drafts to be had gains and the batch drafts as an open one does. A lone row and
+by it, its unluckiest one included (`_slowest`: rows in step end as late as the row that
+kept the fewest drafts; a row's mean tokens a step, its drafter's share of its asks with
+drafts to be had times its E(k) at its level, less the deviations by which the least of B
+rows falls short of its mean over the steps they have left, over the plan's price against
+a plain step's), by the margin, the best such plan by rate; no probe runs (but of a
+drafter set no step has used, where the rule could take it at the least its step may
+cost: `_may_bear`), nor an exploring step (the batch passes through other sizes as rows
+end and join, where they do), and while no plan passes the engine holds the batch to
+plain steps for `closed_hold` steps without the rows' asks (`BatchEngine._closed_choice`;
+a batch that has been running full counts as closed while it refills). On a 2-core x86
+at 8 rows (a pass verifying one draft a row 1.33x a plain one), 8 clients of equal
+requests through the server, six alternated rounds: the group 0.88x of plain decoding on
+average with the batch priced by when it would end (every K's plan and plain decoding;
+the rule before this one), 1.00x with each row priced by its mean (0.98x with every mode
+served in rotation); priced by the unluckiest row, in rotation, 1.015x and 0.97x in two
+rounds of 12 repeats against 0.98x and 0.98x (`benchmarks/README.md`). Where a wider pass
+costs little more (a memory-bound GPU), every row with drafts to be had gains and the
+batch drafts as an open one does. A lone row and
 an open batch keep the best K by rate (a freed slot is filled again, and a waiting request
 gains by the batch's pace).
 

@@ -740,8 +740,8 @@ class BatchEngine:
         state) (the queued plain step settled first, so that each row's sequence and
         features are whole). The policy's judgment moves with the batch's size and slowly
         with what it measures: the rows are judged again where the size or the rows changed,
-        else every `LATE_EVERY` steps (each judgment a host's work per row and drafter:
-        judged every step, 8 rows left out of two drafters took 0.3% of the batch's time)."""
+        else every `LATE_EVERY` steps (each judgment is a host's work per row and drafter,
+        which a CPU's passes share)."""
         size = self._size_for(len(self.active))  # not while a busy batch refills
         skipped = [(row, arm) for row in self.active for arm in row.skipped]
         key = (size, tuple((row.id, arm) for row, arm in skipped))

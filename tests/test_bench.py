@@ -321,6 +321,24 @@ def test_server_load_runs_plain_decoding_twice_for_the_noise_floor():
     assert [c[0] for c in load.mode_configs(["none", "all"], "u", body, False)] == ["none", "all"]
 
 
+def test_server_load_pairs_each_repeat_with_its_plain_runs():
+    """benchmarks/server_load.py: a mode's throughput over the mean of the same repeat's
+    plain runs (`none`, `none-again`), averaged over the repeats with its standard error."""
+    load = _server_load()
+
+    def rows(*rates):
+        return [{"throughput_tokens_per_sec": r} for r in rates]
+
+    out = load.paired_throughput(rows(90.0, 120.0), [rows(100.0, 110.0), rows(80.0, 130.0)])
+    assert out["throughput_vs_plain_paired"] == pytest.approx(1.0)  # 90 / 90, 120 / 120
+    assert out["paired_se"] == pytest.approx(0.0)
+    out = load.paired_throughput(rows(90.0, 132.0), [rows(100.0, 120.0)])
+    ratios = [0.9, 1.1]
+    assert out["throughput_vs_plain_paired"] == pytest.approx(1.0)
+    assert out["paired_se"] == pytest.approx(np.std(ratios, ddof=1) / np.sqrt(2))
+    assert load.paired_throughput(rows(90.0), [rows(0.0)]) == {}
+
+
 def test_server_load_compares_each_request_with_plain_decoding():
     """benchmarks/server_load.py: each request's latency over the same request's with
     speculation off in the same repeat (the same client and place), pooled over the repeats,
