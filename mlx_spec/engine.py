@@ -65,7 +65,6 @@ ALL = "all"
 # Seconds a batch may stand empty and still count as refilling (`BatchEngine._size_for`): a
 # client's next request comes within one round trip; a second is a new spell.
 IDLE_RESET = 1.0
-HOLD_MOST = 8  # a closed batch's longest hold, in `closed_hold`s (`_closed_choice`)
 LATE_EVERY = 8  # steps between late-join judgments of unchanged rows at an unchanged size
 
 
@@ -373,7 +372,7 @@ class BatchEngine:
         # squeezed once they exceed the longest row's by this share and 8. The A/B of
         # `benchmarks/batch_rows.py` sets them as they were (False; 1.0).
         self.reuse_rows, self.columns_slack = True, 0.1
-        self._hold: tuple | None = None  # (rows, steps left, steps): `_closed_choice`
+        self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -906,10 +905,9 @@ class BatchEngine:
         """The policy's choice for the rows' asks. Every slot taken, nothing waiting or
         joining: a closed batch, which drafts only where every row gains
         (`BatchDraftPolicy`'s `every_row`); where it found no plan that does, the same rows
-        decode plainly for its `closed_hold` steps without asking, twice as long each time
-        the same rows find none again, up to `HOLD_MOST` times (a row's ask is a host's
-        work, an n-gram lookup and each drafter's backlog, and so is the policy's weighing
-        of every K and drafter for 8 rows, which a CPU's passes share). A batch that has been running full lately is full while it refills
+        decode plainly for its `closed_hold` steps without asking (a row's ask is a host's
+        work per step, an n-gram lookup and each drafter's backlog, which a CPU's passes
+        share). A batch that has been running full lately is full while it refills
         (`_size_for`): the rows that ended are replaced within a step or two as their
         clients send their next requests, and a probe or an exploring step of the rows
         left in between (a wide one: 6 rows verifying 8 drafts each, 5 plain steps' time
@@ -917,17 +915,13 @@ class BatchEngine:
         full = self._size_for(len(rows)) >= self.max_batch
         closed = full and not self.waiting and self._joining is None
         hold, self._hold = self._hold, None
-        again = hold is not None and hold[0] == ids
-        if closed and again and hold[1] > 0:
-            self._hold = (ids, hold[1] - 1, hold[2])
+        if closed and hold is not None and hold[0] == ids and hold[1] > 0:
+            self._hold = (ids, hold[1] - 1)
             return BatchChoice(0, [(None, 0)] * len(rows), why="closed")
         self.policy.closed = closed
         choice = self.policy.choose([self._ask(r) for r in rows])
         if closed and free and choice.why == "closed" and not any(k for _, k in choice.rows):
-            steps = self.policy.closed_hold
-            if again:
-                steps = min(2 * hold[2], HOLD_MOST * steps)
-            self._hold = (ids, steps - 1, steps)
+            self._hold = (ids, self.policy.closed_hold - 1)
         return choice
 
     def _shared(self, choice: BatchChoice) -> BatchChoice:

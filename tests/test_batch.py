@@ -901,37 +901,6 @@ def test_the_engine_tells_the_policy_when_its_batch_is_closed(loaded):
     assert any(closed for *_, closed in seen) and any(waiting for _, waiting, _ in seen)
 
 
-def test_a_closed_batch_that_finds_no_plan_again_holds_longer(loaded):
-    """A closed batch whose rows find no plan decodes plainly for `closed_hold` steps
-    without asking them, twice as long each time the same rows find none again, up to
-    `HOLD_MOST` holds' worth; other rows start again at one hold."""
-    from mlx_spec.engine import HOLD_MOST
-
-    model, tok, _, _ = loaded["llama"]
-    engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3)
-    asked = []
-    engine._ask = lambda row: None
-    engine.policy.choose = lambda asks: asked.append(len(asks)) or BatchChoice(
-        0, [(None, 0)] * len(asks), why="closed"
-    )
-    rows, hold = [object()] * 3, engine.policy.closed_hold
-    expected, at, length = [], 0, hold  # the steps at which the rows are asked
-    while at < 400:
-        expected.append(at)
-        at, length = at + length, min(2 * length, HOLD_MOST * hold)
-    seen = []
-    for i in range(400):
-        before = len(asked)
-        engine._closed_choice(rows, [1, 2, 3], True)
-        if len(asked) > before:
-            seen.append(i)
-    assert seen == expected and seen[:4] == [0, hold, 3 * hold, 7 * hold]
-    before = len(asked)
-    for _ in range(hold + 1):  # other rows: one hold, then asked again
-        engine._closed_choice(rows, [1, 2, 4], True)
-    assert len(asked) - before == 2
-
-
 def closed_batch(policy, accepts, cost, rng, budget=64, why=None, found=None):
     """Run one batch to its end: a row per acceptance in `accepts` (each of its drafts kept
     with that probability), each with `budget` tokens to emit, no row joining: closed while
