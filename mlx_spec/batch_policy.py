@@ -71,9 +71,8 @@ the rule before this one), 1.00x with each row priced by its mean (0.98x with ev
 served in rotation); priced by the unluckiest row, in rotation, 1.015x and 0.97x in two
 rounds of 12 repeats against 0.98x and 0.98x (`benchmarks/README.md`). Where a wider pass
 costs little more (a memory-bound GPU), every row with drafts to be had gains and the
-batch drafts as an open one does. A lone row and
-an open batch keep the best K by rate (a freed slot is filled again, and a waiting request
-gains by the batch's pace).
+batch drafts as an open one does. A lone row and an open batch keep the best K by rate (a
+freed slot is filled again, and a waiting request gains by the batch's pace).
 
 What a step's cost leaves out (catch-ups and joins spread over many steps, a pipeline of
 plain steps broken, rows out of step) a guard measures per drafter at 2 rows or more, and
@@ -1204,8 +1203,7 @@ class BatchDraftPolicy:
             # row is expected to gain by it (`_slowest`), the best such plan by rate.
             borne = []
             for big_k, (plan, shape, rate, _) in plans.items():
-                tokens = merged.tokens(plan, accept)
-                spread = merged.catch_up(plan) / self._serves(merged.distinct, plan, shape, tokens)
+                spread = self._spread(merged, plan, shape, accept)
                 if self._slowest(merged, plan, shape, spread, accept) > 1 + needed:
                     borne.append((rate, big_k))
             speculate, why = bool(borne), "closed"
@@ -1280,12 +1278,16 @@ class BatchDraftPolicy:
         """Whether a drafter of `arms` has fewer than `thin` rounds behind its acceptance."""
         return any(self.trials[arm][0] < self.thin for arm in arms)
 
+    def _spread(self, merged: _Merged, plan, shape, gains) -> float:
+        """The plan's catch-up per step, spread over the steps it serves (`_serves`)."""
+        tokens = merged.tokens(plan, gains)
+        return merged.catch_up(plan) / self._serves(merged.distinct, plan, shape, tokens)
+
     def _may_bear(self, merged: _Merged, plan, gains) -> bool:
         """Whether a closed batch could take `plan` of a drafter set no step has used at the
         least its step may cost (`_Costs.hope`, and no less than `_Costs.floor`)."""
         shape = merged.shape(plan)
-        tokens = merged.tokens(plan, gains)
-        spread = merged.catch_up(plan) / self._serves(merged.distinct, plan, shape, tokens)
+        spread = self._spread(merged, plan, shape, gains)
         least = self.costs.hope(*shape, spread) or self.costs.seconds(*shape, spread)
         floor = self.costs.floor(shape[0], shape[1])
         least = least if floor is None else max(least, floor)
