@@ -41,7 +41,9 @@ done, the others still run (plain decoding keeps every row in step, so it has no
 prints each finished row's decoding time over what plain steps at its batch sizes would have
 taken for its tokens, and the share of that its speculative steps show (the engine's
 `RowTrace`; the ledger `--pace-slack` bounds): what a row spends beyond both is steps among
-rows out of step.
+rows out of step. `--time-parts` prints, under each mode, a run's mean wall time and the
+milliseconds of it in the engine's parts (`PARTS`: its passes, settling their tokens, the
+closed batch's choices, late joins, joins, leaving rows): the host's work a mode adds.
 
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8
@@ -338,6 +340,43 @@ def configurations(engine, model, batch, args) -> list:
     return out
 
 
+# The engine's parts `--time-parts` times (each call's wall time, nested calls within it:
+# `_settle` holds each row's emit; `_remove` the drafters' leaving and the prompt cache's put).
+PARTS = ("_launch", "_settle", "_closed_choice", "_join_late", "_join_drafters", "_remove")
+
+
+class PartTimer:
+    """Wall time per run in each of the engine's `PARTS` (wrapped on the instance)."""
+
+    def __init__(self, engine: BatchEngine):
+        self.spent: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        for name in PARTS:
+            setattr(engine, name, self._timed(name, getattr(engine, name)))
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            tic = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - tic
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The seconds since the last take, per part."""
+        spent, self.spent = self.spent, dict.fromkeys(PARTS, 0.0)
+        return spent
+
+
+def print_parts(runs: list[dict[str, float]], wall: float) -> dict[str, float]:
+    """The mean milliseconds a run spent in each part (`wall`: the runs' seconds in all)."""
+    means = {name: 1e3 * statistics.mean(r[name] for r in runs) for name in PARTS}
+    cells = "  ".join(f"{name.lstrip('_')} {ms:.1f}" for name, ms in means.items())
+    print(f"      ms a run: wall {1e3 * wall / len(runs):.0f}, in the engine's parts: {cells}")
+    return means
+
+
 @dataclass
 class EmbeddedPair:
     """The embedded pair as the engine benchmarks use it: the target (its tokenizer with EOS
@@ -468,6 +507,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each speculative mode with the policy's guard off (no windows of plain "
         "decoding alone to check its choices against)",
     )
+    p.add_argument(
+        "--time-parts",
+        action="store_true",
+        help="also print the mean milliseconds a run spent in the engine's parts (its "
+        "passes, settling the tokens, the closed batch's choices, late joins, joins, "
+        "leaving rows), with each mode's mean wall time a run",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
@@ -501,12 +547,18 @@ def main(argv: list[str] | None = None) -> int:
         walls: dict[str, float] = {}
         for _, fn in configs:  # warm-up (and the policy's first measurements)
             fn()
+        timer = PartTimer(engine) if args.time_parts else None
+        parts: dict[str, list] = {}
         for r in range(args.repeats):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for name, fn in order:
                 engine.trace = traces.setdefault(name, []) if args.trace else None
                 engine.row_trace = row_traces.setdefault(name, []) if args.trace else None
+                if timer is not None:
+                    timer.take()
                 tokens, seconds, acceptance = fn()
+                if timer is not None and name != "mlx-lm":
+                    parts.setdefault(name, []).append(timer.take())
                 walls[name] = walls.get(name, 0.0) + seconds
                 runs[name].append((tokens / seconds, acceptance))
         peer = statistics.median(t for t, _ in runs["mlx-lm"])
@@ -531,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["trace"] = print_trace(traces[name], walls[name])
             if row_traces.get(name):
                 row["rows"] = print_rows(row_traces[name])
+            if parts.get(name):
+                row["wall_ms"] = 1e3 * walls[name] / len(values)
+                row["parts_ms"] = print_parts(parts[name], walls[name])
     if args.json:
         write_record(
             args.json, argv, results, max_tokens=args.max_tokens,

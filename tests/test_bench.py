@@ -420,3 +420,42 @@ def test_pass_width_shrinks_the_architecture_to_time_its_overhead(tmp_path):
     logits = small(mx.zeros((2, 3), mx.uint32), cache=cache.layers)
     cache.end([3, 3])
     assert logits.shape == (2, 3, tm.tokenizer_size())
+
+
+def test_batch_engine_times_the_engines_parts_per_run(capsys):
+    """benchmarks/batch_engine.py `--time-parts`: each of the engine's `PARTS` wrapped on the
+    instance, its calls' wall time summed until taken (a run's), what the method returns
+    passed through; the mean milliseconds a run printed and kept."""
+    import time as clock
+
+    bench = _benchmark("batch_engine")
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):  # every part: sleeps 2 ms, returns its name
+            if name not in bench.PARTS:
+                raise AttributeError(name)
+
+            def part(*args):
+                self.calls.append(name)
+                clock.sleep(0.002)
+                return name
+
+            return part
+
+    engine = Engine()
+    timer = bench.PartTimer(engine)
+    assert engine._settle(1) == "_settle" and engine._remove() == "_remove"
+    engine._settle(2)
+    first = timer.take()
+    assert first["_settle"] >= 0.004 and first["_remove"] >= 0.002 and first["_launch"] == 0
+    assert engine.calls == ["_settle", "_remove", "_settle"]
+    engine._launch()
+    second = timer.take()
+    assert second["_settle"] == 0 and second["_launch"] >= 0.002
+    means = bench.print_parts([first, second], wall=0.1)
+    assert means["_settle"] == pytest.approx(1e3 * first["_settle"] / 2)
+    printed = capsys.readouterr().out
+    assert "wall 50," in printed and "settle " in printed and "launch " in printed
