@@ -901,6 +901,29 @@ def test_the_engine_tells_the_policy_when_its_batch_is_closed(loaded):
     assert any(closed for *_, closed in seen) and any(waiting for _, waiting, _ in seen)
 
 
+def test_rows_without_a_drafter_decode_unasked(loaded):
+    """Where no row of a step has a drafter (speculation off), the step is plain decoding
+    without the rows' asks or the policy's weighing of them (a host's work per step); the
+    policy still times the plain steps. Where one row has a drafter, the rows ask again."""
+    model, tok, draft, _ = loaded["llama"]
+    engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3)
+    asked, choose = [], engine.policy.choose
+
+    def watched(asks):
+        asked.append(len(asks))
+        return choose(asks)
+
+    engine.policy.choose = watched
+    vocab = scored_vocab(model, tok)
+    plain = run_all(engine, busy_requests(vocab, None, "auto", n=5))
+    assert not asked and engine.policy._plain_seen >= 2
+    alone = [run_all(engine_for(model, tok, {}, max_batch=1), [r])[0] for r in busy_requests(
+        vocab, None, "auto", n=5)]  # fmt: skip
+    assert [tokens for tokens, _ in plain] == [tokens for tokens, _ in alone]
+    run_all(engine, busy_requests(vocab, "ngram", "auto", n=2))
+    assert asked
+
+
 def closed_batch(policy, accepts, cost, rng, budget=64, why=None, found=None):
     """Run one batch to its end: a row per acceptance in `accepts` (each of its drafts kept
     with that probability), each with `budget` tokens to emit, no row joining: closed while
