@@ -1058,9 +1058,14 @@ class BatchDraftPolicy:
         needed (a window starts, the rows' drafters changed, or one is allowed). The asks
         are a host's work per row and step (an n-gram lookup, each drafter's backlog): on a
         GPU a small model's plain step is about as short, and the guard's plain windows are
-        most of the steps where speculation does not pay."""
+        most of the steps where speculation does not pay. Where no row has a drafter
+        (speculation off), plain decoding too, as `choose` would answer their asks (8 rows'
+        asks and their weighing were 0.8% of plain decoding's time on a 2-core x86)."""
+        if not offered:
+            self._offered, self._follow, self._quiet = set(), None, None
+            return BatchChoice(0, [(None, 0)] * size)
         guard = self.guard
-        if not (free and offered and guard is not None):
+        if not (free and guard is not None):
             return None
         arms = self._watched(size, offered)
         if len(arms) < len(offered):  # a drafter the guard does not judge here may draft
@@ -1071,13 +1076,6 @@ class BatchDraftPolicy:
             return None
         self._offered = set(offered)
         return BatchChoice(0, [(None, 0)] * size, window=guard.window_for(size, arms))
-
-    def unasked(self, size: int) -> BatchChoice:
-        """The next step's choice where none of its `size` rows has a drafter: plain
-        decoding, as `choose` would answer their asks (which the engine then spares: 8 rows'
-        asks and their weighing were 0.8% of plain decoding's time on a 2-core x86)."""
-        self._offered, self._follow, self._quiet = set(), None, None
-        return BatchChoice(0, [(None, 0)] * size)
 
     def _watched(self, size: int, offered: set[int]) -> tuple:
         """The drafters of `offered` the guard judges at batches of `size` rows."""

@@ -882,11 +882,7 @@ class BatchEngine:
         self._last_decode = time.perf_counter()
         free = all(not isinstance(r.request.num_draft, int) for r in rows)
         ids = [r.id for r in rows]
-        offered = {a for r in rows for a in r.arms}
-        if not offered:  # no row has a drafter (speculation off): plain, and no row asks
-            choice = self.policy.unasked(len(rows))
-        else:
-            choice = self.policy.barred(len(rows), offered, free)
+        choice = self.policy.barred(len(rows), {a for r in rows for a in r.arms}, free)
         if choice is None:  # the guard's plain window does not decide it: the rows ask
             choice = self._closed_choice(rows, ids, free)
         choice = self._shared(choice)
