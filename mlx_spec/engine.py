@@ -641,7 +641,7 @@ class BatchEngine:
                     one = group.cache.extract(i, self.model)
                     self.row_cache.put(row.tokens, one, {}, hidden, row.features)
                 continue
-            self._join_drafters(row, self._size_for(len(self.active) + len(staying)))
+            self._join_drafters(row, self._size_for(len(self.active) + len(staying), True))
         if not staying:
             return
         if len(staying) < len(group.rows):
@@ -656,18 +656,24 @@ class BatchEngine:
             cache.extend(row.prefill)
         for row in rows:
             row.prefill, row.first_pending = None, True
-            self._join_drafters(row, self._size_for(len(self.active) + len(rows)))
+            self._join_drafters(row, self._size_for(len(self.active) + len(rows), True))
         self._extend(cache, rows)
 
-    def _size_for(self, size: int) -> int:
+    def _size_for(self, size: int, joining: bool = False) -> int:
         """The batch size a joining row is judged at (`_join_drafters`): the batch's size
         once it joined, or the size it has been running at lately where that is larger.
         Under steady load a batch refills one request at a time as rows end (each client
         sends its next request when its last one finished): a row joining a batch of 1 or 2
         then runs most of its life among N. A batch that stood empty for longer than
-        `IDLE_RESET` seconds starts afresh (a request after a busy spell is over)."""
+        `IDLE_RESET` seconds starts afresh (a request after a busy spell is over). A row
+        `joining` counts the requests that came while its prompt was prefilled: they join
+        within a step or two (a burst of 8 clients' first requests, the first prefilled
+        alone, was judged at 1 row and fed the draft model and the MTP head its prompt for
+        a run among 8)."""
         if not self.active and time.perf_counter() - self._last_decode > IDLE_RESET:
             self._size_seen = 0.0
+        if joining:
+            size = min(self.max_batch, size + len(self.waiting))
         return max(size, min(self.max_batch, int(self._size_seen + 0.5)))
 
     def _join_drafters(self, row: _Row, size: int) -> None:
@@ -684,6 +690,12 @@ class BatchEngine:
         saved state in."""
         hidden = self._all_hidden(row)
         auto = not isinstance(row.request.num_draft, int)
+        # No probe join (`join_pays`' `probe`) into a batch that will run closed (full,
+        # nothing waiting): a closed batch runs no probe, so the drafter would be fed the
+        # row's prompt and told every token for steps that never use it (8 rows of a
+        # 2-core x86: every 8th row joined the draft model and the MTP head, 18 ms a run
+        # of 16 requests).
+        probe = not (self.policy.every_row and size >= self.max_batch and not self.waiting)
         states = [row.states.pop(self.names[arm], None) for arm in row.arms]
         grouped, wanted = self._grouped(row), []
         for arm, state in zip(row.arms, states, strict=True):
@@ -699,7 +711,7 @@ class BatchEngine:
                 continue
             tokens = len(row.tokens) - (row.common if saved else 0)
             life = self._life_left(row)
-            wanted.append(self.policy.join_pays(arm, size, True, tokens, life, not saved))
+            wanted.append(self.policy.join_pays(arm, size, probe, tokens, life, not saved))
         joined = []
         for arm, state, join in zip(row.arms, states, self._agreed(wanted), strict=True):
             if not join:
@@ -887,6 +899,8 @@ class BatchEngine:
             choice = self._closed_choice(rows, ids, free)
         choice = self._shared(choice)
         plain = not any(k for _, k in choice.rows)
+        if plain and free and choice.why == "closed":
+            self._shed(rows)
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
             self._flush()  # the pipeline of plain steps ends here
             if plain or [r.id for r in self.active] != ids:
@@ -923,6 +937,24 @@ class BatchEngine:
         if closed and free and choice.why == "closed" and not any(k for _, k in choice.rows):
             self._hold = (ids, self.policy.closed_hold - 1)
         return choice
+
+    def _shed(self, rows: list[_Row]) -> None:
+        """A closed batch that found no plan every row gains by (the policy's "closed" plain
+        choice): its rows give up their model drafters for the rest of their requests (those
+        they joined leave them, those they left out at joining are not judged again), so
+        that their steps cost about what plain decoding's do; the lookup, which costs a
+        host's work alone, stays. A row keeps its target features: the prompt cache keeps
+        them with its sequence, for the next turn of its conversation to draft with the head
+        where its batch is smaller. Each row leaves once; a row's next request joins its
+        drafters afresh."""
+        for row in rows:
+            models = [a for a in row.arms if self.drafters[self.names[a]].feeds_prompt]
+            if not models and not row.skipped:
+                continue
+            for arm in models:
+                self.drafters[self.names[arm]].leave(row.id)
+            row.arms = [a for a in row.arms if a not in models]
+            row.skipped = []
 
     def _shared(self, choice: BatchChoice) -> BatchChoice:
         """Rank 0's choice on every rank of a sharded target (the choice itself otherwise)."""

@@ -425,6 +425,47 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
             assert tokens == plain.tokens, (drafter, req["prompt"])
 
 
+@pytest.mark.parametrize("num_draft", ["auto", 2])
+def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, num_draft):
+    """Where a closed batch finds no plan every row gains by, its rows leave their model
+    drafters (the MTP head) for the rest of their requests and decode with the lookup alone,
+    each request's tokens still those of single-stream decoding;
+    rows with a fixed k keep theirs. Before the batch closes the rows draft with the head."""
+    model, tok, head = mtp_target
+    drafters = {"ngram": BatchNgram(), "mtp": BatchMTP(head.module)}
+    engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16)
+    always_draft(engine, engine.names.index("mtp"))
+    drafting = engine.policy.choose
+
+    def choose(asks):
+        if engine.policy.closed:
+            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
+        return drafting(asks)
+
+    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    closed, plain_step = [], engine._plain_step
+
+    def recorded(rows, choice):
+        plain_step(rows, choice)
+        if choice.why == "closed":
+            held = {r.id for r in rows} & set(drafters["mtp"].rows)
+            model = [a for r in rows for a in r.arms + r.skipped if a == engine.names.index("mtp")]
+            closed.append(not held and not model)
+
+    engine._plain_step = recorded
+    requests = busy_requests(hfm.VOCAB, "all", num_draft, n=5)
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == plain.tokens, req["prompt"]
+    assert any(final.stats.drafted for _, final in results)
+    if num_draft == "auto":
+        assert closed and all(closed)
+    else:  # fixed k: no closed hold, no shedding
+        assert not any(closed)
+    assert engine.cache is None and all(not d.rows for d in drafters.values())
+
+
 def direct_join_run(model, tok, drafters, drafter, vocab):
     """Three prompts run once (their entries fill the prompt cache), then asked again among
     three fresh ones in a busy batch: returns the second run's results, its requests and the
@@ -1254,6 +1295,47 @@ def test_a_row_joins_a_model_drafter_only_where_the_policy_drafts_with_it():
     assert not any(policy.join_pays(1, 8, probe=False) for _ in range(10))
     assert [policy.join_pays(1, 8) for _ in range(6)] == [False, False, True] * 2
     assert policy.join_pays(1, 2, probe=False)
+
+
+def test_a_joining_row_is_judged_at_the_batch_it_will_run_in(loaded):
+    """A burst's first request, prefilled alone while the others arrive, is judged for its
+    model drafter at the batch they make together (they join within a step or two), not as
+    a lone row; a row joining a batch that will run closed (full, nothing waiting) gets no
+    probe join (a closed batch runs no probe), one joining while requests wait may."""
+    model, tok, draft, _ = loaded["llama"]
+    drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
+    engine = engine_for(model, tok, drafters, max_batch=4, prefill_step=16)
+    judged, join_pays = [], engine.policy.join_pays
+
+    def watched(arm, rows, probe=True, *args, late=False, **kwargs):
+        if not late:
+            judged.append((rows, probe, bool(engine.waiting)))
+        return join_pays(arm, rows, probe, *args, late=late, **kwargs)
+
+    engine.policy.join_pays = watched
+    vocab = scored_vocab(model, tok)
+    requests = busy_requests(vocab, "all", "auto", n=6)
+    outputs = [[] for _ in requests]
+
+    def add(i):
+        def emit(item):
+            if item.token is not None:
+                outputs[i].append(item.token)
+
+        engine.add(BatchRequest(emit=emit, **requests[i]))
+
+    add(1)  # 30 prompt tokens: two chunks of 16
+    engine.step()
+    for i in (0, 2, 3, 4, 5):
+        add(i)
+    while engine.busy:
+        engine.step()
+    assert judged[0] == (4, True, True)  # the first row, with the others waiting
+    assert all(probe == (rows < 4 or waiting) for rows, probe, waiting in judged)
+    assert any(not probe for _, probe, _ in judged)
+    for req, tokens in zip(requests, outputs, strict=True):
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == plain.tokens
 
 
 def test_a_late_join_must_repay_its_feed_within_the_life_the_row_has_left():
