@@ -126,7 +126,9 @@ class _Row:
     prefill: BatchCache | None = None  # before its group forms: what the prompt cache had
     fed: int = 0  # prompt tokens in its cache so far
     cached: int = 0  # prompt tokens that came from the prompt cache
-    states: dict = field(default_factory=dict)  # drafter states from the prompt cache
+    # Drafter states from the prompt cache; once joined, those of the drafters it left in a
+    # closed batch (`BatchEngine._shed`), for the prompt cache with its sequence.
+    states: dict = field(default_factory=dict)
     common: int = 0  # tokens shared with those states' sequence
     hidden: list = field(default_factory=list)  # its features, in order (`features`)
     skipped: list = field(default_factory=list)  # model drafters it left out at joining
@@ -373,6 +375,7 @@ class BatchEngine:
         # `benchmarks/batch_rows.py` sets them as they were (False; 1.0).
         self.reuse_rows, self.columns_slack = True, 0.1
         self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
+        self._shedding = False  # the full batch's rows shed their model drafters (`_shed`)
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -695,9 +698,9 @@ class BatchEngine:
         # row's prompt and told every token for steps that never use it (8 rows of a
         # 2-core x86: every 8th row joined the draft model and the MTP head, 18 ms a run
         # of 16 requests).
-        probe = not (self.policy.every_row and size >= self.max_batch and not self.waiting)
+        closing = self.policy.every_row and size >= self.max_batch and not self.waiting
         states = [row.states.pop(self.names[arm], None) for arm in row.arms]
-        grouped, wanted = self._grouped(row), []
+        grouped, wanted, dropped = self._grouped(row), [], []
         for arm, state in zip(row.arms, states, strict=True):
             # Saved: a state that covers most of the prompt (not another prompt's that
             # began alike); else it would be fed the whole prompt. A row's only drafter
@@ -706,16 +709,21 @@ class BatchEngine:
             # steps).
             saved = state is not None and 2 * row.common >= len(row.tokens)
             model = auto and self.drafters[self.names[arm]].feeds_prompt
+            if model and closing and self._shedding:  # it would leave it at once (`_shed`)
+                wanted.append(False)
+                dropped.append(arm)
+                continue
             if not model or (saved and not grouped):
                 wanted.append(True)
                 continue
             tokens = len(row.tokens) - (row.common if saved else 0)
             life = self._life_left(row)
-            wanted.append(self.policy.join_pays(arm, size, probe, tokens, life, not saved))
+            wanted.append(self.policy.join_pays(arm, size, not closing, tokens, life, not saved))
         joined = []
         for arm, state, join in zip(row.arms, states, self._agreed(wanted), strict=True):
             if not join:
-                row.skipped.append(arm)
+                if arm not in dropped:  # (a dropped one: not judged for a late join either)
+                    row.skipped.append(arm)
                 continue
             self._take_in(row, arm, hidden, state, row.common)
             joined.append(arm)
@@ -901,6 +909,8 @@ class BatchEngine:
         plain = not any(k for _, k in choice.rows)
         if plain and free and choice.why == "closed":
             self._shed(rows)
+        elif choice.why == "closed" or self._size_for(len(rows)) < self.max_batch:
+            self._shedding = False  # a closed batch found a plan, or it runs full no more
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
             self._flush()  # the pipeline of plain steps ends here
             if plain or [r.id for r in self.active] != ids:
@@ -945,16 +955,18 @@ class BatchEngine:
         that their steps cost about what plain decoding's do; the lookup, which costs a
         host's work alone, stays. A row keeps its target features: the prompt cache keeps
         them with its sequence, for the next turn of its conversation to draft with the head
-        where its batch is smaller. Each row leaves once; a row's next request joins its
-        drafters afresh."""
+        where its batch is smaller, and so do the states of the drafters it leaves. While
+        the batch stays full and keeps finding no plan (`_shedding`), rows joining it leave
+        the model drafters out (`_join_drafters`)."""
         for row in rows:
             models = [a for a in row.arms if self.drafters[self.names[a]].feeds_prompt]
             if not models and not row.skipped:
                 continue
             for arm in models:
-                self.drafters[self.names[arm]].leave(row.id)
+                row.states[self.names[arm]] = self.drafters[self.names[arm]].leave(row.id)
             row.arms = [a for a in row.arms if a not in models]
             row.skipped = []
+        self._shedding = True
 
     def _shared(self, choice: BatchChoice) -> BatchChoice:
         """Rank 0's choice on every rank of a sharded target (the choice itself otherwise)."""
@@ -1294,6 +1306,7 @@ class BatchEngine:
                                  s.accepted)  # fmt: skip
                 self.row_trace.append(trace)
         states = {self.names[a]: self.drafters[self.names[a]].leave(row.id) for a in row.arms}
+        states.update(row.states)
         if keep_cache and self.row_cache is not None:
             one = self.cache.extract(i, self.model)
             if one.lengths[0] > len(row.tokens) - 1:  # a queued step fed its last token

@@ -429,12 +429,15 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
 def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, num_draft):
     """Where a closed batch finds no plan every row gains by, its rows leave their model
     drafters (the MTP head) for the rest of their requests and decode with the lookup alone,
-    each request's tokens still those of single-stream decoding;
-    rows with a fixed k keep theirs. Before the batch closes the rows draft with the head."""
+    each request's tokens still those of single-stream decoding; the head's state of each
+    row goes to the prompt cache with its sequence, and a request that refills the batch
+    while it keeps finding no plan does not join the head. Rows with a fixed k keep theirs."""
     model, tok, head = mtp_target
     drafters = {"ngram": BatchNgram(), "mtp": BatchMTP(head.module)}
-    engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16)
-    always_draft(engine, engine.names.index("mtp"))
+    cache = RowCache()
+    engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16, row_cache=cache)
+    mtp = engine.names.index("mtp")
+    always_draft(engine, mtp)
     drafting = engine.policy.choose
 
     def choose(asks):
@@ -443,26 +446,61 @@ def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, 
         return drafting(asks)
 
     engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
-    closed, plain_step = [], engine._plain_step
+    engine.policy.join_pays = lambda *args, **kwargs: True  # each row asked joins the head
+    closed, joined, plain_step, take_in = [], [], engine._plain_step, engine._take_in
 
     def recorded(rows, choice):
         plain_step(rows, choice)
         if choice.why == "closed":
             held = {r.id for r in rows} & set(drafters["mtp"].rows)
-            model = [a for r in rows for a in r.arms + r.skipped if a == engine.names.index("mtp")]
+            model = [a for r in rows for a in r.arms + r.skipped if a == mtp]
             closed.append(not held and not model)
 
-    engine._plain_step = recorded
-    requests = busy_requests(hfm.VOCAB, "all", num_draft, n=5)
-    results = run_all(engine, requests)
-    for req, (tokens, _) in zip(requests, results, strict=True):
+    def taken(row, arm, *args):
+        if arm == mtp:
+            joined.append(row.request.prompt)
+        take_in(row, arm, *args)
+
+    engine._plain_step, engine._take_in = recorded, taken
+    rng = random.Random(5)  # three long requests, then two that refill the batch
+    requests = [
+        dict(
+            prompt=[1] + [rng.randrange(3, hfm.VOCAB) for _ in range(p)],
+            sampling=SamplingConfig(),
+            max_tokens=m,
+            drafter="all",
+            num_draft=num_draft,
+        )
+        for p, m in [(5, 60), (12, 70), (9, 80), (20, 20), (8, 15)]
+    ]
+    outputs, later = [[] for _ in requests], [3, 4]
+
+    def add(i):  # three clients: the last two requests each sent as one ends
+        def emit(item):
+            if item.token is not None:
+                outputs[i].append(item.token)
+            elif later:
+                add(later.pop(0))
+
+        engine.add(BatchRequest(emit=emit, **requests[i]))
+
+    for i in range(3):
+        add(i)
+    while engine.busy:
+        engine.step()
+    for req, tokens in zip(requests, outputs, strict=True):
         plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
         assert tokens == plain.tokens, req["prompt"]
-    assert any(final.stats.drafted for _, final in results)
+    first = [req["prompt"] for req in requests[:3]]
+    assert all(prompt in joined for prompt in first)
+    entry = cache.take(first[0] + outputs[0], ["mtp"], engine.features.of(["mtp"]))
     if num_draft == "auto":
         assert closed and all(closed)
+        assert entry.states.get("mtp") is not None
+        assert all(req["prompt"] not in joined for req in requests[3:])
     else:  # fixed k: no closed hold, no shedding
         assert not any(closed)
+        assert all(req["prompt"] in joined for req in requests[3:])
     assert engine.cache is None and all(not d.rows for d in drafters.values())
 
 
