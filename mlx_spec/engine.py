@@ -376,6 +376,7 @@ class BatchEngine:
         self.reuse_rows, self.columns_slack = True, 0.1
         self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
         self._shedding = False  # the full batch's rows shed their model drafters (`_shed`)
+        self._no_plan = 0  # the full batch's plain steps since its last plan (`_shed`)
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -908,8 +909,11 @@ class BatchEngine:
         choice = self._shared(choice)
         plain = not any(k for _, k in choice.rows)
         if plain and free and choice.why == "closed":
-            self._shed(rows)
+            self._no_plan += 1  # (a held step too: the hold is a choice of no plan)
+            if self._no_plan > self.policy.closed_hold:
+                self._shed(rows)
         elif choice.why == "closed" or self._size_for(len(rows)) < self.max_batch:
+            self._no_plan = 0
             self._shedding = False  # a closed batch found a plan, or it runs full no more
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
             self._flush()  # the pipeline of plain steps ends here
@@ -950,14 +954,16 @@ class BatchEngine:
 
     def _shed(self, rows: list[_Row]) -> None:
         """A closed batch that found no plan every row gains by (the policy's "closed" plain
-        choice): its rows give up their model drafters for the rest of their requests (those
-        they joined leave them, those they left out at joining are not judged again), so
-        that their steps cost about what plain decoding's do; the lookup, which costs a
-        host's work alone, stays. A row keeps its target features: the prompt cache keeps
-        them with its sequence, for the next turn of its conversation to draft with the head
-        where its batch is smaller, and so do the states of the drafters it leaves. While
-        the batch stays full and keeps finding no plan (`_shedding`), rows joining it leave
-        the model drafters out (`_join_drafters`)."""
+        choice) twice running, a `closed_hold` of plain steps between (not a moment without
+        a lookup's match, nor a dip in a drafter's acceptance): its rows give up their model
+        drafters for the rest of their requests (those they joined leave them, those they
+        left out at joining are not judged again), so that their steps cost about what
+        plain decoding's do; the lookup, which costs a host's work alone, stays. A row
+        keeps its target features: the prompt cache keeps them with its sequence, for the
+        next turn of its conversation to draft with the head where its batch is smaller,
+        and so do the states of the drafters it leaves. While the batch stays full and
+        keeps finding no plan (`_shedding`), rows joining it leave the model drafters out
+        (`_join_drafters`)."""
         for row in rows:
             models = [a for a in row.arms if self.drafters[self.names[a]].feeds_prompt]
             if not models and not row.skipped:
