@@ -697,8 +697,8 @@ class BatchEngine:
         # No probe join (`join_pays`' `probe`) into a batch that will run closed (full,
         # nothing waiting): a closed batch runs no probe, so the drafter would be fed the
         # row's prompt and told every token for steps that never use it (8 rows of a
-        # 2-core x86: every 8th row joined the draft model and the MTP head, 18 ms a run
-        # of 16 requests).
+        # 2-core x86: every 8th row joined the draft model and the MTP head, 14-20 ms of a
+        # run's 2.2 s; `benchmarks/README.md`, "Shedding in a closed batch").
         closing = self.policy.every_row and size >= self.max_batch and not self.waiting
         states = [row.states.pop(self.names[arm], None) for arm in row.arms]
         grouped, wanted, dropped = self._grouped(row), [], []
