@@ -375,7 +375,6 @@ class BatchEngine:
         # `benchmarks/batch_rows.py` sets them as they were (False; 1.0).
         self.reuse_rows, self.columns_slack = True, 0.1
         self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
-        self._shedding = False  # the full batch's rows shed their model drafters (`_shed`)
         self._no_plan = 0  # the full batch's plain steps since its last plan (`_shed`)
         self.waiting: list[_Row] = []
         self._next_id = 0
@@ -910,11 +909,10 @@ class BatchEngine:
         plain = not any(k for _, k in choice.rows)
         if plain and free and choice.why == "closed":
             self._no_plan += 1  # (a held step too: the hold is a choice of no plan)
-            if self._no_plan > self.policy.closed_hold:
+            if self._shedding:
                 self._shed(rows)
         elif choice.why == "closed" or self._size_for(len(rows)) < self.max_batch:
-            self._no_plan = 0
-            self._shedding = False  # a closed batch found a plan, or it runs full no more
+            self._no_plan = 0  # a closed batch found a plan, or it runs full no more
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
             self._flush()  # the pipeline of plain steps ends here
             if plain or [r.id for r in self.active] != ids:
@@ -972,7 +970,11 @@ class BatchEngine:
                 row.states[self.names[arm]] = self.drafters[self.names[arm]].leave(row.id)
             row.arms = [a for a in row.arms if a not in models]
             row.skipped = []
-        self._shedding = True
+
+    @property
+    def _shedding(self) -> bool:
+        """Whether the full batch's rows shed their model drafters (`_shed`)."""
+        return self._no_plan > self.policy.closed_hold
 
     def _shared(self, choice: BatchChoice) -> BatchChoice:
         """Rank 0's choice on every rank of a sharded target (the choice itself otherwise)."""
