@@ -1140,6 +1140,44 @@ def test_a_closed_batch_probes_a_new_drafter_only_where_its_step_could_pay():
     assert "probe" in probes(1.02)
 
 
+def test_a_closed_batch_in_step_weighs_the_ends_a_plan_puts_apart():
+    """Rows in step (every row with the same budget left) end on one step, and their
+    clients' next requests join together. A plan that drafts puts them apart: each row
+    ends alone, a lone pass for its next request. A closed batch in step is charged that,
+    spread over the run of speculative steps its plan starts, as long as a closed batch's
+    runs with its drafter have lasted: where they last two steps (a lookup's matches come
+    and go: a CPU's 8 rows), a plan that pays by itself (1.8 tokens a row a step at 1.13x a
+    plain step's cost) is turned down; rows out of step take it, and so does a batch in
+    step whose closed runs last (a memory-bound GPU's, where the charge is spread over the
+    rows' life), and one whose runs were never measured (its first runs measure them)."""
+
+    def policy_with(runs: int | None):
+        policy, rng = BatchDraftPolicy(["ngram"], guard=False), random.Random(0)
+        for _ in range(10):
+            policy.observe([(None, 0)] * 8, [(0, 0)] * 8, 15e-3)
+            policy.observe([(None, 0)], [(0, 0)], 8e-3)  # a lone row's pass
+        for _ in range(40):  # the lookup's steps at 8 rows, K = 1: 1.13x a plain step
+            rows = [(0, 1)] * 8
+            policy.observe(rows, outcomes_of(rows, rng, 0.8), 17e-3)
+        policy.closed = True
+        for _ in range(6 if runs else 0):  # a closed batch's runs of `runs` steps
+            for _ in range(runs):
+                rows = [(0, 1)] * 8
+                policy.observe(rows, outcomes_of(rows, rng, 0.8), 17e-3)
+            policy.observe([(None, 0)] * 8, [(0, 0)] * 8, 15e-3)
+        return policy
+
+    def drafts(runs: int | None, lefts: list[int]) -> bool:
+        choice = policy_with(runs).choose([RowAsk([0], None, 8, [3], left=n) for n in lefts])
+        return any(k for _, k in choice.rows)
+
+    in_step, apart = [40] * 8, [40 + i for i in range(8)]
+    assert not drafts(2, in_step)
+    assert drafts(2, apart)
+    assert drafts(40, in_step)
+    assert drafts(None, in_step)
+
+
 def test_batch_policy_tries_the_widths_its_line_prices_wrongly():
     """A policy that has seen steps of K = 2 .. 4 only (at B = 8 its K = 1 steps all came
     after plain stretches, with a catch-up, which the widths' own costs leave out) prices
