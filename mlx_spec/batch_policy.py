@@ -1367,13 +1367,14 @@ class BatchDraftPolicy:
         mean, `_follow_closed_run`), at most the rows' `life`: the charge is spread over
         those steps. Not before such a run was measured (the first runs measure it).
 
-        On a 2-core x86 at 8 rows, 8 clients of equal requests through the server: about
-        once a run a closed batch's n-gram lookup found matches for most rows and took a
-        K = 1 step priced at 1.28x a plain step's rate (realised: 1.17x) and one more after
-        it; with the rows' ends put apart, the runs spent 7% of their time with fewer than
-        8 rows against 4% for plain decoding, and ran about 1% slower. Where a closed
-        batch's runs last (a memory-bound GPU, every row drafting every step), the charge
-        is spread over the rows' life, and in step or not, the batch drafts."""
+        On a 2-core x86 at 8 rows, 8 clients of equal requests through the server: once or
+        twice a run a closed batch's n-gram lookup found matches for most rows and took a
+        K = 1 step and one more after it, each about even or better by itself; with the
+        rows' ends put apart, the runs spent 8% of their time with fewer than 8 rows against
+        4% for plain decoding, and ran about 1% slower (charged, none was taken, and the
+        tail was plain decoding's 4%). Where a closed batch's runs last (a memory-bound
+        GPU, every row drafting every step), the charge is spread over the rows' life, and
+        in step or not, the batch drafts."""
         ends = self._ends(merged, plan)
         runs = self._closed_runs.get(shape[2])
         if not ends or runs is None:
