@@ -1052,9 +1052,14 @@ class BatchDraftPolicy:
             run[1] += 1
             return
         if run is not None:
-            steps, runs = self._served.get(run[0], (0.0, 0.0))
-            self._served[run[0]] = (self.decay * steps + run[1], self.decay * runs + 1.0)
+            self._tally(self._served, run)
         self._serving = [key, 1] if catch_up and key else None
+
+    def _tally(self, ended: dict, run: list) -> None:
+        """Add a run that ended ([drafters, steps]) to `ended`'s decayed (steps, runs) of its
+        drafters."""
+        steps, runs = ended.get(run[0], (0.0, 0.0))
+        ended[run[0]] = (self.decay * steps + run[1], self.decay * runs + 1.0)
 
     # --- choice ------------------------------------------------------------------------------
 
@@ -1375,9 +1380,9 @@ class BatchDraftPolicy:
         tail was plain decoding's 4%). Where a closed batch's runs last (a memory-bound
         GPU, every row drafting every step), the charge is spread over the rows' life, and
         in step or not, the batch drafts."""
-        ends = self._ends(merged, plan)
         runs = self._closed_runs.get(shape[2])
-        if not ends or runs is None:
+        ends = 0 if runs is None else self._ends(merged, plan)
+        if not ends:
             return 0.0
         each = self.costs.turnover_seconds(shape[0]) + self.costs.plain_seconds(1)
         return ends * each / max(1.0, min(life, runs[0] / runs[1]))
@@ -1394,8 +1399,7 @@ class BatchDraftPolicy:
                 run[1] += 1
             return
         if run is not None:
-            steps, runs = self._closed_runs.get(run[0], (0.0, 0.0))
-            self._closed_runs[run[0]] = (self.decay * steps + run[1], self.decay * runs + 1.0)
+            self._tally(self._closed_runs, run)
             self._closed_run = None
 
     @staticmethod
