@@ -66,6 +66,9 @@ ALL = "all"
 # client's next request comes within one round trip; a second is a new spell.
 IDLE_RESET = 1.0
 LATE_EVERY = 8  # steps between late-join judgments of unchanged rows at an unchanged size
+# A closed batch's hold grows with its steps without a plan, up to this many `closed_hold`s
+# (`BatchEngine._hold_steps`).
+HOLD_GROWTH = 4
 
 
 @dataclass
@@ -947,8 +950,19 @@ class BatchEngine:
         self.policy.closed = closed
         choice = self.policy.choose([self._ask(r) for r in rows])
         if closed and free and choice.why == "closed" and not any(k for _, k in choice.rows):
-            self._hold = (ids, self.policy.closed_hold - 1)
+            self._hold = (ids, self._hold_steps() - 1)
         return choice
+
+    def _hold_steps(self) -> int:
+        """The plain steps a closed batch that found no plan takes before its rows ask again:
+        `closed_hold`, or half the steps the full batch has gone without a plan where that
+        is longer, up to `HOLD_GROWTH` holds. A batch that never finds one (a 2-core CPU at
+        8 rows, where a wider pass costs near its width) asks once a few dozen steps, not
+        every `closed_hold` (a choice over 8 rows' asks is about a millisecond of the host's
+        work, which on a CPU the passes share); new rows ask at once (the hold is the rows'),
+        and a plan found starts the count again."""
+        hold = self.policy.closed_hold
+        return min(HOLD_GROWTH * hold, max(hold, self._no_plan // 2))
 
     def _shed(self, rows: list[_Row]) -> None:
         """A closed batch that found no plan every row gains by (the policy's "closed" plain
@@ -1272,8 +1286,9 @@ class BatchEngine:
         row.tokens += emitted[:keep]
         row.produced += len(chunks)
         kept_hidden = None
-        if row.needs_hidden and hidden is not None:
-            kept_hidden = self.features.keep(row.features, hidden[:keep])
+        if row.needs_hidden and hidden is not None:  # (one row per emitted token)
+            kept = hidden if keep == len(emitted) else hidden[:keep]
+            kept_hidden = self.features.keep(row.features, kept)
             row.hidden.append(kept_hidden)
         for a in row.arms if joined else []:
             mine = drafted if a == arm else 0

@@ -19,7 +19,7 @@ from mlx_spec.batch_cache import BatchCache, batchable
 from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
 from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowRecord
 from mlx_spec.compat import scored_vocab
-from mlx_spec.engine import IDLE_RESET, BatchEngine, BatchRequest, StepLog, StepTrace
+from mlx_spec.engine import HOLD_GROWTH, IDLE_RESET, BatchEngine, BatchRequest, StepLog, StepTrace
 from mlx_spec.prompt_cache import RowCache
 from mlx_spec.sampling import SamplingConfig
 
@@ -504,6 +504,79 @@ def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, 
         assert not any(closed)
         assert all(req["prompt"] in joined for req in requests[3:])
     assert engine.cache is None and all(not d.rows for d in drafters.values())
+
+
+def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
+    """A closed batch that finds no plan holds its rows to plain steps for `closed_hold`
+    steps before they ask again; as its steps without a plan mount, the hold grows (half of
+    them), up to `HOLD_GROWTH` holds, and it never shrinks while the batch keeps finding
+    none; rows that join ask at once (the hold is the rows'). Each request's tokens are
+    single-stream decoding's."""
+    model, tok, _, _ = loaded["llama"]
+    tok = with_eos(tok)
+    engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3, prefill_step=16)
+    engine.policy.closed_hold = hold = 4  # (holds of a few steps: short requests show them)
+    drafting, asked = engine.policy.choose, []
+
+    def choose(asks):
+        asked.append(engine.policy.closed)
+        if engine.policy.closed:
+            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
+        return drafting(asks)
+
+    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    calls, closed_choice = [], engine._closed_choice
+
+    def recorded(rows, ids, free):
+        before = len(asked)
+        choice = closed_choice(rows, ids, free)
+        calls.append((tuple(ids), len(asked) > before and asked[-1], choice.why))
+        return choice
+
+    engine._closed_choice = recorded
+    rng, vocab = random.Random(11), scored_vocab(model, tok)
+    requests = [
+        dict(
+            prompt=[1] + [rng.randrange(3, vocab) for _ in range(p)],
+            sampling=SamplingConfig(),
+            max_tokens=m,
+            drafter="ngram",
+        )
+        for p, m in [(6, 90), (9, 100), (4, 110), (7, 40), (5, 30)]
+    ]
+    outputs, later = [[] for _ in requests], [3, 4]
+
+    def add(i):
+        def emit(item):
+            if item.token is not None:
+                outputs[i].append(item.token)
+            elif later:
+                add(later.pop(0))
+
+        engine.add(BatchRequest(emit=emit, **requests[i]))
+
+    for i in range(3):
+        add(i)
+    while engine.busy:
+        engine.step()
+    for req, tokens in zip(requests, outputs, strict=True):
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == plain.tokens, req["prompt"]
+    runs, last = [], None  # the gaps between the asks of each set of rows in a closed batch
+    for i, (ids, closed_ask, why) in enumerate(calls):
+        if why == "closed" and not closed_ask:  # held: the rows that asked last
+            assert last is not None and ids == calls[last][0], (i, calls[last])
+        if closed_ask:
+            if last is not None and calls[last][0] == ids:
+                runs[-1].append(i - last)
+            else:
+                runs.append([])
+            last = i
+    gaps = [gap for run in runs for gap in run]
+    assert gaps[:2] == [hold, hold], gaps
+    assert max(gaps) == HOLD_GROWTH * hold, gaps
+    assert all(a <= b for run in runs for a, b in zip(run, run[1:], strict=False)), runs
+    assert len(runs) >= 3  # the rows that joined asked at once, and were held again
 
 
 def direct_join_run(model, tok, drafters, drafter, vocab):
