@@ -99,6 +99,7 @@ def run_engine(
     delay: float = 0.0,
     guard: bool = True,
     keep_cache: bool = False,
+    host_work: float = 0.0,
 ):
     """Each client's first request queued at once, each next one when the client's last
     finished; step to the end. Returns (tokens generated, seconds, acceptance). With more
@@ -108,7 +109,8 @@ def run_engine(
     full; `delay`: seconds between a request's end and its client's next request (a
     server's round trip; 0: queued at once); `guard`: False turns the policy's guard off;
     `keep_cache`: the engine's prompt cache is kept from run to run (made once), as a
-    server keeps it across requests."""
+    server keeps it across requests; `host_work`: seconds of the host's work (a busy loop)
+    added after each settled plain step."""
     finals = []
     pending: list[tuple[float, list, int]] = []  # (when, client, request) not yet sent
     drafter = None if mode == "plain" else mode
@@ -144,6 +146,16 @@ def run_engine(
         policy.guard = None
     if join_share is not None:
         policy.min_share = join_share
+    settle = engine._settle  # (the instance's own where `--time-parts` times it)
+    if host_work:
+
+        def busy_settle(*args, **kwargs):
+            settle(*args, **kwargs)
+            end = time.perf_counter() + host_work
+            while time.perf_counter() < end:
+                pass
+
+        engine._settle = busy_settle
     if plain_when_full:
         full = len(clients)
         policy.choose = lambda asks, own=policy.choose: (
@@ -167,6 +179,8 @@ def run_engine(
         engine.threads = plan
         policy.min_share, policy.guard = share, kept
         policy.__dict__.pop("choose", None)
+        if host_work:
+            engine._settle = settle
     drafted = sum(s.drafted for s in finals)
     accepted = sum(s.accepted for s in finals)
     return sum(s.generated_tokens for s in finals), seconds, accepted / drafted if drafted else 0.0
@@ -335,6 +349,8 @@ def configurations(engine, model, batch, args) -> list:
         out += [(f"{m}, plain when full", lambda m=m: run(m, plain_when_full=True)) for m in spec]
     if args.compare_guard:
         out += [(f"{m}, no guard", lambda m=m: run(m, guard=False)) for m in spec]
+    for us in args.compare_host_work:
+        out.append((f"plain, +{us:g} us a step", lambda us=us: run("plain", host_work=us / 1e6)))
     peer = lambda: run_peer(model, batch, args.max_tokens, args.temperature, delay)  # noqa: E731
     out.append(("mlx-lm", peer))
     return out
@@ -506,6 +522,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run each speculative mode with the policy's guard off (no windows of plain "
         "decoding alone to check its choices against)",
+    )
+    p.add_argument(
+        "--compare-host-work",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="US",
+        help="also run plain decoding with US microseconds of the host's work (a busy loop) "
+        "after each settled step: what a step's host work costs the passes (an experiment)",
     )
     p.add_argument(
         "--time-parts",

@@ -1076,7 +1076,9 @@ class BatchEngine:
             row = rows.get(row_id)
             if row is None or row.done:
                 continue
-            hidden = None if ahead.hidden is None else ahead.hidden[i : i + 1]
+            hidden = (
+                ahead.hidden[i : i + 1] if row.needs_hidden and ahead.hidden is not None else None
+            )
             row.paced += plain  # a plain step keeps a row at plain pace, timed or not
             self._emit(row, [tokens[i]], 0, 0, hidden)
             emitted += 1

@@ -1220,7 +1220,8 @@ def test_a_closed_batch_in_step_weighs_the_ends_a_plan_puts_apart():
     spread over the run of speculative steps its plan starts, as long as a closed batch's
     runs with its drafter have lasted: where they last two steps (a lookup's matches come
     and go: a CPU's 8 rows), a plan that pays by itself (1.8 tokens a row a step at 1.13x a
-    plain step's cost) is turned down; rows out of step take it, and so does a batch in
+    plain step's cost) is turned down, by 8 rows in step and by 7 in step beside one a step
+    behind (a burst's last request); rows out of step take it, and so does a batch in
     step whose closed runs last (a memory-bound GPU's, where the charge is spread over the
     rows' life), and one whose runs were never measured (its first runs measure them)."""
 
@@ -1246,6 +1247,7 @@ def test_a_closed_batch_in_step_weighs_the_ends_a_plan_puts_apart():
 
     in_step, apart = [40] * 8, [40 + i for i in range(8)]
     assert not drafts(2, in_step)
+    assert not drafts(2, [40] * 7 + [41])  # 7 in step, the last request a step behind
     assert drafts(2, apart)
     assert drafts(40, in_step)
     assert drafts(None, in_step)
