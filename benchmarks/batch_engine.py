@@ -44,6 +44,9 @@ taken for its tokens, and the share of that its speculative steps show (the engi
 rows out of step. `--time-parts` prints, under each mode, a run's mean wall time and the
 milliseconds of it in the engine's parts (`PARTS`: its passes, settling their tokens, the
 closed batch's choices, late joins, joins, leaving rows): the host's work a mode adds.
+`--compare-host-work US [US ...]` adds plain decoding with US microseconds of the host's
+work (a busy loop) after each settled step: what a step's host work costs the passes (on a
+CPU the host shares the cores with them).
 
 Examples:
     python benchmarks/batch_engine.py                      # N = 1, 4, 8

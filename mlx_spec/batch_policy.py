@@ -59,14 +59,16 @@ kept the fewest drafts; a row's mean tokens a step, its drafter's share of its a
 drafts to be had times its E(k) at its level, less the deviations by which the least of B
 rows falls short of its mean over the steps they have left, over the plan's price against
 a plain step's), by the margin, the best such plan by rate. Where its rows are in step
-(the same budget left), a plan that drafts is also charged the ends it puts apart (each a
-lone pass for the row's next request), spread over as many steps as the batch's closed
-runs of speculative steps with its drafters last (`_desync`). No probe runs (but of a
+(three quarters of them or more with the same budget left), a plan that drafts is also
+charged the ends it puts apart (each a lone pass for the row's next request), spread over
+as many steps as the batch's closed runs of speculative steps with its drafters last
+(`_desync`). No probe runs (but of a
 drafter set no step has used, where the rule could take it at the least its step may
 cost: `_may_bear`), nor an exploring step (the batch passes through other sizes as rows
 end and join, where they do), and while no plan passes the engine holds the batch to
-plain steps for `closed_hold` steps without the rows' asks (`BatchEngine._closed_choice`;
-a batch that has been running full counts as closed while it refills). On a 2-core x86
+plain steps for `closed_hold` steps (more as its steps without a plan mount) without the
+rows' asks (`BatchEngine._closed_choice`; a batch that has been running full counts as
+closed while it refills). On a 2-core x86
 at 8 rows (a pass verifying one draft a row 1.33x a plain one), 8 clients of equal
 requests through the server, six alternated rounds: the group 0.88x of plain decoding on
 average with the batch priced by when it would end (every K's plan and plain decoding;
@@ -794,7 +796,8 @@ class BatchDraftPolicy:
             plan only where every row is expected to gain by it, and neither probe nor
             explore (see the module); False: by rate, as any batch.
         closed_hold: while a closed batch finds no such plan, the steps the engine holds
-            it to plain decoding without asking its rows (`BatchEngine._closed_choice`).
+            it to plain decoding without asking its rows (`BatchEngine._closed_choice`; the
+            hold grows as its steps without a plan mount, `BatchEngine._hold_steps`).
 
     The search over K stops past best + 1 at a K whose best plan promises under
     `stop_below` (0.85) of the best rate, and never goes beyond what a row can draft.
