@@ -425,6 +425,31 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
             assert tokens == plain.tokens, (drafter, req["prompt"])
 
 
+def three_clients(engine: BatchEngine, model, tok, requests: list[dict]) -> list[list[int]]:
+    """Five requests from three clients, the last two each sent as one ends (they refill a
+    batch of 3); each request's tokens are checked against single-stream decoding's and
+    returned."""
+    outputs, later = [[] for _ in requests], [3, 4]
+
+    def add(i):
+        def emit(item):
+            if item.token is not None:
+                outputs[i].append(item.token)
+            elif later:
+                add(later.pop(0))
+
+        engine.add(BatchRequest(emit=emit, **requests[i]))
+
+    for i in range(3):
+        add(i)
+    while engine.busy:
+        engine.step()
+    for req, tokens in zip(requests, outputs, strict=True):
+        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
+        assert tokens == plain.tokens, req["prompt"]
+    return outputs
+
+
 @pytest.mark.parametrize("num_draft", ["auto", 2])
 def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, num_draft):
     """Where a closed batch finds no plan every row gains by, twice running (a hold of
@@ -474,24 +499,7 @@ def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, 
         )
         for p, m in [(5, 60), (12, 70), (9, 80), (20, 20), (8, 15)]
     ]
-    outputs, later = [[] for _ in requests], [3, 4]
-
-    def add(i):  # three clients: the last two requests each sent as one ends
-        def emit(item):
-            if item.token is not None:
-                outputs[i].append(item.token)
-            elif later:
-                add(later.pop(0))
-
-        engine.add(BatchRequest(emit=emit, **requests[i]))
-
-    for i in range(3):
-        add(i)
-    while engine.busy:
-        engine.step()
-    for req, tokens in zip(requests, outputs, strict=True):
-        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
-        assert tokens == plain.tokens, req["prompt"]
+    outputs = three_clients(engine, model, tok, requests)
     first = [req["prompt"] for req in requests[:3]]
     assert all(prompt in joined for prompt in first)
     entry = cache.take(first[0] + outputs[0], ["mtp"], engine.features.of(["mtp"]))
@@ -544,24 +552,7 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
         )
         for p, m in [(6, 90), (9, 100), (4, 110), (7, 40), (5, 30)]
     ]
-    outputs, later = [[] for _ in requests], [3, 4]
-
-    def add(i):
-        def emit(item):
-            if item.token is not None:
-                outputs[i].append(item.token)
-            elif later:
-                add(later.pop(0))
-
-        engine.add(BatchRequest(emit=emit, **requests[i]))
-
-    for i in range(3):
-        add(i)
-    while engine.busy:
-        engine.step()
-    for req, tokens in zip(requests, outputs, strict=True):
-        plain = mlx_spec.generate(model, tok, req["prompt"], max_tokens=req["max_tokens"])
-        assert tokens == plain.tokens, req["prompt"]
+    three_clients(engine, model, tok, requests)  # (each checked against single-stream)
     runs, last = [], None  # the gaps between the asks of each set of rows in a closed batch
     for i, (ids, closed_ask, why) in enumerate(calls):
         if why == "closed" and not closed_ask:  # held: the rows that asked last
