@@ -354,7 +354,7 @@ class BatchMTP(_ModelDrafter):
         """`[B, S, T]` hidden rows of the pending pairs fed by the first pass (zeros as pads)."""
         rows = []
         for row, n in zip(self.rows, lengths, strict=True):
-            h = _joined(self._hidden.get(row, [])) if n else None
+            h = concat_rows(self._hidden.get(row, [])) if n else None
             if h is not None:
                 self._hidden[row] = [h]
             rows.append(h)
@@ -428,7 +428,7 @@ class BatchDFlash(_ModelDrafter):
         queued = [self._hidden[row] for row in self.rows]
         lengths = [sum(h.shape[0] for h in q) for q in queued]
         if any(lengths):  # every row's newly committed positions join its context
-            rows = [_joined(q) for q in queued]
+            rows = [concat_rows(q) for q in queued]
             size = next(h for h in rows if h is not None).shape[-1]
             self.model.feed_rows(_padded(rows, max(lengths), size), self.cache, lengths)
             for row in self.rows:
@@ -458,7 +458,7 @@ class BatchDFlash(_ModelDrafter):
         self._pending[row] = [emitted[-1]]
 
 
-def _joined(parts: list[mx.array]) -> mx.array | None:
+def concat_rows(parts: list[mx.array]) -> mx.array | None:
     """Arrays of rows concatenated (None: there are none)."""
     return mx.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
 
@@ -472,7 +472,7 @@ def _padded(rows: list[mx.array | None], width: int, size: int) -> mx.array:
         parts = ([] if h is None else [h]) + (
             [mx.zeros((width - n, size), dtype)] if width > n else []
         )
-        out.append(_joined(parts))
+        out.append(concat_rows(parts))
     return mx.stack(out)
 
 

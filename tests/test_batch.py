@@ -570,6 +570,64 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
     assert len(runs) >= 3  # the rows that joined asked at once, and were held again
 
 
+def test_plain_steps_tell_the_drafters_at_the_rows_next_ask(mtp_target):
+    """A plain step keeps each row's token (and its features) from the row's drafters until
+    something reads their state of it: at each ask they hold its whole sequence, told in one
+    `accept` of the plain steps since (a closed batch's hold), with one feature row per
+    token; each request's tokens are single-stream decoding's."""
+    model, tok, head = mtp_target
+    drafters = {"ngram": BatchNgram(), "mtp": BatchMTP(head.module)}
+    engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16, row_cache=RowCache())
+    engine.policy.closed_hold = 4
+    engine.policy.join_pays = lambda *args, **kwargs: True
+    engine._shed = lambda rows: None  # (the rows keep the head, which is told too)
+    always_draft(engine, engine.names.index("mtp"))
+    drafting, rounds = engine.policy.choose, []
+
+    def choose(asks):  # two choices of no plan (held in a closed batch), then a draft
+        rounds.append(len(asks))
+        if len(rounds) % 3:
+            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
+        return drafting(asks)
+
+    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    told = []
+    for name, drafter in drafters.items():
+
+        def accept(row, drafted, accepted, emitted, hidden, name=name, real=drafter.accept):
+            assert hidden is None or hidden.shape[0] == len(emitted)
+            told.append((name, drafted, len(emitted)))
+            real(row, drafted, accepted, emitted, hidden)
+
+        drafter.accept = accept
+    ask, asked = engine._ask, []
+
+    def checked(row):
+        out = ask(row)
+        assert drafters["ngram"]._history[row.id].history == row.tokens
+        if row.id in drafters["mtp"].rows:
+            assert drafters["mtp"]._pending[row.id][-1] == row.tokens[-1]
+        asked.append(row.id)
+        return out
+
+    engine._ask = checked
+    rng = random.Random(8)
+    requests = [
+        dict(
+            prompt=[1] + [rng.randrange(3, hfm.VOCAB) for _ in range(p)],
+            sampling=SamplingConfig(),
+            max_tokens=m,
+            drafter="all",
+        )
+        for p, m in [(5, 50), (12, 60), (9, 40), (7, 30), (8, 25)]
+    ]
+    three_clients(engine, model, tok, requests)
+    assert len(set(asked)) == len(requests)
+    held = [n for name, drafted, n in told if name == "mtp" and not drafted]
+    assert max(held) >= engine.policy.closed_hold  # a hold's plain steps, told at once
+    assert any(drafted for _, drafted, _ in told)  # and drafts between
+
+
 def direct_join_run(model, tok, drafters, drafter, vocab):
     """Three prompts run once (their entries fill the prompt cache), then asked again among
     three fresh ones in a busy batch: returns the second run's results, its requests and the
