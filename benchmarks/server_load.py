@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -438,6 +439,19 @@ def marks_file(trace: str) -> str:
     return f"{trace}.marks.jsonl"
 
 
+def uncollected(run):
+    """`asyncio.run(run)` with the garbage collector off (a collection first): the clients
+    share the machine with the server, and a full collection of this process (its results
+    so far, the tokenizer: 50-100 ms on a 2-core x86) in the middle of one run would slow
+    that run's server alone."""
+    gc.collect()
+    gc.disable()
+    try:
+        return asyncio.run(run)
+    finally:
+        gc.enable()
+
+
 def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
     """The load rows of every (label, url, body) at every N: each repeat runs them all back to
     back in a rotated order; the medians over the repeats, each field on its own."""
@@ -450,7 +464,8 @@ def measure_loads(configs: list[tuple[str, str, dict]], args) -> list[dict]:
             for label, url, body in configs[shift:] + configs[:shift]:
                 budgets = token_budgets(n, args.requests, args.vary_tokens)
                 start = time.time()
-                row = {"mode": label, **asyncio.run(run_load(url, n, args.requests, body, budgets))}
+                load = run_load(url, n, args.requests, body, budgets)
+                row = {"mode": label, **uncollected(load)}
                 if args.trace_steps:  # when each run was, for `mlx-spec steps`
                     mark = {"mode": label, "n": n, "repeat": repeat + 1, "start": start}
                     with open(marks_file(args.trace_steps), "a") as marks:
@@ -486,7 +501,7 @@ def measure_conversations(configs: list[tuple[str, str, dict]], turns: list[str]
         shift = repeat % len(configs)
         for label, url, body in configs[shift:] + configs[:shift]:
             own = [f"Conversation {repeat + 1} with {label}.\n" + turns[0], *turns[1:]]
-            runs[label].append(asyncio.run(run_conversation(url, body, own)))
+            runs[label].append(uncollected(run_conversation(url, body, own)))
             _print_conversation(f"[{repeat + 1}/{repeats}] {label}", runs[label][-1])
     rows = []
     for label, talks in runs.items():

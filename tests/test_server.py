@@ -539,3 +539,28 @@ def test_sse_format(url):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_serve_keeps_what_it_loaded_out_of_the_collector(checkpoints, monkeypatch):
+    """`serve` freezes what it loaded (the model, the libraries) before it serves: the
+    garbage collector's full passes then scan only what the requests leave, not a pause of
+    every stream for all of it."""
+    import gc
+
+    import uvicorn
+
+    from mlx_spec.cli import main
+
+    frozen = []
+
+    def run(app, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        app.state.engine.close()
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    assert gc.get_freeze_count() == 0
+    try:
+        assert main(["serve", "--model", str(checkpoints["llama"][0])]) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000
