@@ -547,9 +547,9 @@ def test_serve_keeps_what_it_loaded_out_of_the_collector(checkpoints, monkeypatc
     every stream for all of it."""
     import gc
 
-    import uvicorn
-
     from mlx_spec.cli import main
+
+    import uvicorn
 
     frozen = []
 
