@@ -425,6 +425,21 @@ def test_greedy_rows_equal_single_stream_mtp(mtp_target, num_draft):
             assert tokens == plain.tokens, (drafter, req["prompt"])
 
 
+def random_requests(seed: int, sizes: list[tuple[int, int]], **fields) -> list[dict]:
+    """Greedy requests of random prompts, a BOS then p ids, each for m tokens ((p, m) in
+    `sizes`), with `fields` (the drafter, its k)."""
+    rng = random.Random(seed)
+    return [
+        dict(
+            prompt=[1] + [rng.randrange(3, hfm.VOCAB) for _ in range(p)],
+            sampling=SamplingConfig(),
+            max_tokens=m,
+            **fields,
+        )
+        for p, m in sizes
+    ]
+
+
 def three_clients(engine: BatchEngine, model, tok, requests: list[dict]) -> list[list[int]]:
     """Five requests from three clients, the last two each sent as one ends (they refill a
     batch of 3); each request's tokens are checked against single-stream decoding's and
@@ -488,17 +503,8 @@ def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, 
         take_in(row, arm, *args)
 
     engine._plain_step, engine._take_in = recorded, taken
-    rng = random.Random(5)  # three long requests, then two that refill the batch
-    requests = [
-        dict(
-            prompt=[1] + [rng.randrange(3, hfm.VOCAB) for _ in range(p)],
-            sampling=SamplingConfig(),
-            max_tokens=m,
-            drafter="all",
-            num_draft=num_draft,
-        )
-        for p, m in [(5, 60), (12, 70), (9, 80), (20, 20), (8, 15)]
-    ]
+    sizes = [(5, 60), (12, 70), (9, 80), (20, 20), (8, 15)]  # three long, two refilling
+    requests = random_requests(5, sizes, drafter="all", num_draft=num_draft)
     outputs = three_clients(engine, model, tok, requests)
     first = [req["prompt"] for req in requests[:3]]
     assert all(prompt in joined for prompt in first)
@@ -611,16 +617,7 @@ def test_plain_steps_tell_the_drafters_at_the_rows_next_ask(mtp_target):
         return out
 
     engine._ask = checked
-    rng = random.Random(8)
-    requests = [
-        dict(
-            prompt=[1] + [rng.randrange(3, hfm.VOCAB) for _ in range(p)],
-            sampling=SamplingConfig(),
-            max_tokens=m,
-            drafter="all",
-        )
-        for p, m in [(5, 50), (12, 60), (9, 40), (7, 30), (8, 25)]
-    ]
+    requests = random_requests(8, [(5, 50), (12, 60), (9, 40), (7, 30), (8, 25)], drafter="all")
     three_clients(engine, model, tok, requests)
     assert len(set(asked)) == len(requests)
     held = [n for name, drafted, n in told if name == "mtp" and not drafted]
