@@ -1298,21 +1298,9 @@ class BatchEngine:
         row.stats.observe_choice(None if arm is None else self.names[arm], drafted)
         row.tokens += emitted[:keep]
         row.produced += len(chunks)
-        kept_hidden = None
-        if row.needs_hidden and hidden is not None:  # (one row per emitted token)
-            kept = hidden if keep == len(emitted) else hidden[:keep]
-            kept_hidden = self.features.keep(row.features, kept)
-            row.hidden.append(kept_hidden)
-        for a in row.arms if tell else []:
-            mine = drafted if a == arm else 0
-            name = self.names[a]
-            self.drafters[name].accept(
-                row.id,
-                mine,
-                min(accepted, keep - 1),
-                emitted[:keep],
-                self._columns(row, name, kept_hidden),
-            )
+        if tell:
+            kept = None if hidden is None else hidden[:keep]  # (one row per emitted token)
+            self._told(row, emitted[:keep], drafted, min(accepted, keep - 1), arm, kept)
         for chunk in chunks:
             row.request.emit(chunk)
         if finish is not None or row.produced >= row.request.max_tokens:
@@ -1331,16 +1319,23 @@ class BatchEngine:
         `benchmarks/README.md`, "Telling the drafters late, and the collector")."""
         if not row.untold:
             return
+        hidden = concat_rows([h[i : i + 1] for h, i in row.untold_features])
+        self._told(row, row.tokens[len(row.tokens) - row.untold :], 0, 0, None, hidden)
+        row.untold, row.untold_features = 0, []
+
+    def _told(self, row: _Row, emitted: list[int], drafted: int, accepted: int, arm, hidden):
+        """The row's features at the positions that produced `emitted` kept (`hidden`, one row
+        each), and each of its drafters told: drafter `arm` drafted `drafted` tokens, the
+        others none, and `accepted` of the drafts were kept."""
         kept = None
-        if row.untold_features:
-            parts = [h[i : i + 1] for h, i in row.untold_features]
-            kept = self.features.keep(row.features, concat_rows(parts))
+        if row.needs_hidden and hidden is not None:
+            kept = self.features.keep(row.features, hidden)
             row.hidden.append(kept)
-        emitted = row.tokens[len(row.tokens) - row.untold :]
         for a in row.arms:
             name = self.names[a]
-            self.drafters[name].accept(row.id, 0, 0, emitted, self._columns(row, name, kept))
-        row.untold, row.untold_features = 0, []
+            mine = drafted if a == arm else 0
+            columns = self._columns(row, name, kept)
+            self.drafters[name].accept(row.id, mine, accepted, emitted, columns)
 
     def _columns(self, row: _Row, name: str, hidden: mx.array | None) -> mx.array | None:
         """The columns of a row's kept features that drafter `name` reads (None: it reads
