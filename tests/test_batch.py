@@ -21,6 +21,7 @@ from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowReco
 from mlx_spec.compat import scored_vocab
 from mlx_spec.engine import HOLD_GROWTH, IDLE_RESET, BatchEngine, BatchRequest, StepLog, StepTrace
 from mlx_spec.prompt_cache import RowCache
+from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
@@ -623,6 +624,13 @@ def test_plain_steps_tell_the_drafters_at_the_rows_next_ask(mtp_target):
     held = [n for name, drafted, n in told if name == "mtp" and not drafted]
     assert max(held) >= engine.policy.closed_hold  # a hold's plain steps, told at once
     assert any(drafted for _, drafted, _ in told)  # and drafts between
+    # The features each row kept through its plain steps (rows told together take theirs
+    # out of one stack of the steps' features) are the target's at each of its positions.
+    assert len(engine.row_cache._entries) == len(requests)
+    for item in engine.row_cache._entries:
+        assert item.hidden.shape[0] == len(item.tokens) - 1
+        want = ModelRunner(model, hfm.VOCAB, keep_hidden=True).prefill(item.tokens[:-1])
+        assert mx.allclose(item.hidden, want, atol=1e-4).item()
 
 
 def direct_join_run(model, tok, drafters, drafter, vocab):
