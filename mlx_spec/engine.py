@@ -949,11 +949,15 @@ class BatchEngine:
         (`_size_for`): the rows that ended are replaced within a step or two as their
         clients send their next requests, and a probe or an exploring step of the rows
         left in between (a wide one: 6 rows verifying 8 drafts each, 5 plain steps' time
-        on a 2-core x86) slows every one of them."""
+        on a 2-core x86) slows every one of them. Rows that join a batch that sheds
+        (`_shedding`: the full batch has gone more than a `closed_hold` without a plan) wait
+        out its hold, as they leave its model drafters out (`_join_drafters`): its verdict
+        is the batch's at its size, and every row must gain for a plan to pass."""
         full = self._size_for(len(rows)) >= self.max_batch
         closed = full and not self.waiting and self._joining is None
         hold, self._hold = self._hold, None
-        if closed and hold is not None and hold[0] == ids and hold[1] > 0:
+        ours = hold is not None and (hold[0] == ids or (free and self._shedding))
+        if closed and ours and hold[1] > 0:
             self._hold = (ids, hold[1] - 1)
             return BatchChoice(0, [(None, 0)] * len(rows), why="closed")
         self.policy.closed = closed
@@ -968,8 +972,8 @@ class BatchEngine:
         is longer, up to `HOLD_GROWTH` holds. A batch that never finds one (a 2-core CPU at
         8 rows, where a wider pass costs near its width) asks once a few dozen steps, not
         every `closed_hold` (a choice over 8 rows' asks is about a millisecond of the host's
-        work, which on a CPU the passes share); new rows ask at once (the hold is the rows'),
-        and a plan found starts the count again."""
+        work, which on a CPU the passes share); new rows ask at once (the hold is the rows')
+        but where the batch sheds, and a plan found starts the count again."""
         hold = self.policy.closed_hold
         return min(HOLD_GROWTH * hold, max(hold, self._no_plan // 2))
 

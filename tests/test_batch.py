@@ -525,7 +525,8 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
     """A closed batch that finds no plan holds its rows to plain steps for `closed_hold`
     steps before they ask again; as its steps without a plan mount, the hold grows (half of
     them), up to `HOLD_GROWTH` holds, and it never shrinks while the batch keeps finding
-    none; rows that join ask at once (the hold is the rows'). Each request's tokens are
+    none; rows that join a batch that sheds wait out its hold (else they ask at once:
+    `test_rows_that_refill_a_shedding_batch_wait_out_its_hold`). Each request's tokens are
     single-stream decoding's."""
     model, tok, _, _ = loaded["llama"]
     tok = with_eos(tok)
@@ -543,9 +544,9 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
     calls, closed_choice = [], engine._closed_choice
 
     def recorded(rows, ids, free):
-        before = len(asked)
+        before, shedding = len(asked), engine._shedding
         choice = closed_choice(rows, ids, free)
-        calls.append((tuple(ids), len(asked) > before and asked[-1], choice.why))
+        calls.append((tuple(ids), len(asked) > before and asked[-1], choice.why, shedding))
         return choice
 
     engine._closed_choice = recorded
@@ -561,9 +562,9 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
     ]
     three_clients(engine, model, tok, requests)  # (each checked against single-stream)
     runs, last = [], None  # the gaps between the asks of each set of rows in a closed batch
-    for i, (ids, closed_ask, why) in enumerate(calls):
-        if why == "closed" and not closed_ask:  # held: the rows that asked last
-            assert last is not None and ids == calls[last][0], (i, calls[last])
+    for i, (ids, closed_ask, why, shedding) in enumerate(calls):
+        if why == "closed" and not closed_ask:  # held: the rows that asked last, or new
+            assert last is not None and (ids == calls[last][0] or shedding), (i, calls[last])
         if closed_ask:
             if last is not None and calls[last][0] == ids:
                 runs[-1].append(i - last)
@@ -574,7 +575,51 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
     assert gaps[:2] == [hold, hold], gaps
     assert max(gaps) == HOLD_GROWTH * hold, gaps
     assert all(a <= b for run in runs for a, b in zip(run, run[1:], strict=False)), runs
-    assert len(runs) >= 3  # the rows that joined asked at once, and were held again
+    assert len(runs) >= 3  # the rows that joined asked, and were held again
+
+
+@pytest.mark.parametrize("hold,waits", [(4, True), (60, False)])
+def test_rows_that_refill_a_shedding_batch_wait_out_its_hold(loaded, hold, waits):
+    """Three equal requests end on one step of a closed batch that finds no plan, and the
+    next two refill it together. Where the batch sheds by then (it has gone more than a
+    `closed_hold` without a plan), they decode plainly for what is left of its hold before
+    they ask; where it does not, they ask at once. Each request's tokens are single-stream
+    decoding's."""
+    model, tok, _, _ = loaded["llama"]
+    tok = with_eos(tok)  # (no EOS: each request runs to its max_tokens)
+    engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3, prefill_step=16)
+    engine.policy.closed_hold = hold
+    drafting = engine.policy.choose
+
+    def choose(asks):
+        if engine.policy.closed:
+            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
+        return drafting(asks)
+
+    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    calls, closed_choice, ask = [], engine._closed_choice, engine._ask
+    engine._ask = lambda row: (calls.append(("ask", row.id)), ask(row))[1]
+
+    def recorded(rows, ids, free):
+        calls.append(("step", tuple(ids), engine._shedding))
+        return closed_choice(rows, ids, free)
+
+    engine._closed_choice = recorded
+    sizes = [(6, 36), (6, 36), (6, 36), (5, 30), (7, 30)]
+    requests = random_requests(3, sizes, drafter="ngram")
+    three_clients(engine, model, tok, requests)  # (each checked against single-stream)
+    steps = [i for i, call in enumerate(calls) if call[0] == "step"]
+    first = steps[0]
+    refill = next(i for i in steps if calls[i][1] != calls[first][1])
+    assert len(calls[refill][1]) == 2 and not set(calls[refill][1]) & set(calls[first][1])
+    assert calls[refill][2] == waits  # the batch sheds by then, or not
+    asked = [i for i in steps if i + 1 < len(calls) and calls[i + 1][0] == "ask"]
+    later = [i for i in asked if i >= refill]
+    if waits:  # held: the new rows' first ask comes within what is left of the hold
+        assert later[0] > refill
+        assert steps.index(later[0]) - steps.index(refill) <= HOLD_GROWTH * hold
+    else:
+        assert later[0] == refill
 
 
 def test_plain_steps_tell_the_drafters_at_the_rows_next_ask(mtp_target):
