@@ -385,6 +385,7 @@ class BatchEngine:
         self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
         self._stacked: tuple[list, mx.array] | None = None  # `_untold_hidden`
         self._no_plan = 0  # the full batch's plain steps since its last plan (`_shed`)
+        self._shed_ids: list[int] | None = None  # the rows shed last (`_shed`)
         self.waiting: list[_Row] = []
         self._next_id = 0
         self._ahead: _Ahead | None = None  # a plain step queued ahead of the one being read
@@ -921,8 +922,9 @@ class BatchEngine:
         plain = not any(k for _, k in choice.rows)
         if plain and free and choice.why == "closed":
             self._no_plan += 1  # (a held step too: the hold is a choice of no plan)
-            if self._shedding:
+            if self._shedding and ids != self._shed_ids:  # (shed rows stay so)
                 self._shed(rows)
+                self._shed_ids = ids
         elif choice.why == "closed" or self._size_for(len(rows)) < self.max_batch:
             self._no_plan = 0  # a closed batch found a plan, or it runs full no more
         if self._ahead is not None and (not plain or self._ahead.ids != ids):
