@@ -43,7 +43,9 @@ taken for its tokens, and the share of that its speculative steps show (the engi
 `RowTrace`; the ledger `--pace-slack` bounds): what a row spends beyond both is steps among
 rows out of step. `--time-parts` prints, under each mode, a run's mean wall time and the
 milliseconds of it in the engine's parts (`PARTS`: its passes, settling their tokens, the
-closed batch's choices, late joins, joins, leaving rows): the host's work a mode adds.
+closed batch's choices, late joins, joins, leaving rows, telling the drafters a row's plain
+steps, shedding model drafters) and its number of the policy's choices: the host's work a
+mode adds.
 `--compare-host-work US [US ...]` adds plain decoding with US microseconds of the host's
 work (a busy loop) after each settled step: what a step's host work costs the passes (on a
 CPU the host shares the cores with them).
@@ -159,6 +161,7 @@ def run_engine(
                 pass
 
         engine._settle = busy_settle
+    chooser = policy.__dict__.get("choose")  # (`--time-parts` counts the choices)
     if plain_when_full:
         full = len(clients)
         policy.choose = lambda asks, own=policy.choose: (
@@ -182,6 +185,8 @@ def run_engine(
         engine.threads = plan
         policy.min_share, policy.guard = share, kept
         policy.__dict__.pop("choose", None)
+        if chooser is not None:
+            policy.choose = chooser
         if host_work:
             engine._settle = settle
     drafted = sum(s.drafted for s in finals)
@@ -360,17 +365,31 @@ def configurations(engine, model, batch, args) -> list:
 
 
 # The engine's parts `--time-parts` times (each call's wall time, nested calls within it:
-# `_settle` holds each row's emit; `_remove` the drafters' leaving and the prompt cache's put).
-PARTS = ("_launch", "_settle", "_closed_choice", "_join_late", "_join_drafters", "_remove")
+# `_settle` holds each row's emit; `_remove` the drafters' leaving and the prompt cache's put;
+# `_tell`, telling the drafters a row's plain steps, is within `_closed_choice` and `_remove`;
+# `_shed`, a closed batch's rows leaving their model drafters).
+PARTS = (
+    "_launch", "_settle", "_closed_choice", "_join_late", "_join_drafters", "_remove", "_tell",
+    "_shed",
+)  # fmt: skip
 
 
 class PartTimer:
-    """Wall time per run in each of the engine's `PARTS` (wrapped on the instance)."""
+    """Wall time per run in each of the engine's `PARTS` (wrapped on the instance), and the
+    policy's choices (`choices`: each a host's work over every row's ask)."""
 
     def __init__(self, engine: BatchEngine):
         self.spent: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.choices = 0
         for name in PARTS:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
+        choose = engine.policy.choose
+
+        def counted(asks):
+            self.choices += 1
+            return choose(asks)
+
+        engine.policy.choose = counted
 
     def _timed(self, name: str, method):
         def timed(*args, **kwargs):
@@ -383,17 +402,23 @@ class PartTimer:
         return timed
 
     def take(self) -> dict[str, float]:
-        """The seconds since the last take, per part."""
+        """The seconds since the last take, per part, and the choices (`choices`)."""
         spent, self.spent = self.spent, dict.fromkeys(PARTS, 0.0)
+        spent["choices"], self.choices = self.choices, 0
         return spent
 
 
 def print_parts(runs: list[dict[str, float]], wall: float) -> dict[str, float]:
-    """The mean milliseconds a run spent in each part (`wall`: the runs' seconds in all)."""
+    """The mean milliseconds a run spent in each part (`wall`: the runs' seconds in all), and
+    its mean number of the policy's choices."""
     means = {name: 1e3 * statistics.mean(r[name] for r in runs) for name in PARTS}
     cells = "  ".join(f"{name.lstrip('_')} {ms:.1f}" for name, ms in means.items())
-    print(f"      ms a run: wall {1e3 * wall / len(runs):.0f}, in the engine's parts: {cells}")
-    return means
+    choices = statistics.mean(r["choices"] for r in runs)
+    print(
+        f"      ms a run: wall {1e3 * wall / len(runs):.0f}, in the engine's parts: {cells}; "
+        f"{choices:.1f} choices"
+    )
+    return {**means, "choices": choices}
 
 
 @dataclass
@@ -540,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also print the mean milliseconds a run spent in the engine's parts (its "
         "passes, settling the tokens, the closed batch's choices, late joins, joins, "
-        "leaving rows), with each mode's mean wall time a run",
+        "leaving rows, telling the drafters, shedding), with each mode's mean wall time and "
+        "number of the policy's choices a run",
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

@@ -1335,8 +1335,9 @@ class BatchEngine:
         """`[T, W]`: a row's features of its untold plain steps (`parts`: each step's `[B, W]`
         features, the row's index in them). Rows told together (a closed batch's asks, rows
         that end at one step) share one stack of the steps' features, each taking its own
-        row out of it: a slice per step and row was 2.1 ms of the host's work for 8 rows of
-        64 steps (the embedded target), the stack and a gather per row 0.6."""
+        row out of it, where a slice per step and row was evaluated on its own (8 clients of
+        the MTP head on a 2-core x86: telling took 2.8-3.2 ms a run, then 1.2-1.3;
+        `benchmarks/README.md`, "Rows told together, and a refill that waits")."""
         if not parts:
             return None
         steps, i = [h for h, _ in parts], parts[0][1]

@@ -425,14 +425,17 @@ def test_pass_width_shrinks_the_architecture_to_time_its_overhead(tmp_path):
 def test_batch_engine_times_the_engines_parts_per_run(capsys):
     """benchmarks/batch_engine.py `--time-parts`: each of the engine's `PARTS` wrapped on the
     instance, its calls' wall time summed until taken (a run's), what the method returns
-    passed through; the mean milliseconds a run printed and kept."""
+    passed through, and the policy's choices counted; the mean milliseconds and choices a
+    run printed and kept."""
     import time as clock
+    from types import SimpleNamespace
 
     bench = _benchmark("batch_engine")
 
     class Engine:
         def __init__(self):
             self.calls = []
+            self.policy = SimpleNamespace(choose=lambda asks: len(asks))
 
         def __getattr__(self, name):  # every part: sleeps 2 ms, returns its name
             if name not in bench.PARTS:
@@ -449,13 +452,17 @@ def test_batch_engine_times_the_engines_parts_per_run(capsys):
     timer = bench.PartTimer(engine)
     assert engine._settle(1) == "_settle" and engine._remove() == "_remove"
     engine._settle(2)
+    assert engine.policy.choose([1, 2]) == 2 and engine.policy.choose([]) == 0
     first = timer.take()
     assert first["_settle"] >= 0.004 and first["_remove"] >= 0.002 and first["_launch"] == 0
+    assert first["choices"] == 2
     assert engine.calls == ["_settle", "_remove", "_settle"]
     engine._launch()
     second = timer.take()
-    assert second["_settle"] == 0 and second["_launch"] >= 0.002
+    assert second["_settle"] == 0 and second["_launch"] >= 0.002 and second["choices"] == 0
     means = bench.print_parts([first, second], wall=0.1)
     assert means["_settle"] == pytest.approx(1e3 * first["_settle"] / 2)
+    assert means["choices"] == 1
     printed = capsys.readouterr().out
     assert "wall 50," in printed and "settle " in printed and "launch " in printed
+    assert "1.0 choices" in printed
