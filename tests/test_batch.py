@@ -466,6 +466,21 @@ def three_clients(engine: BatchEngine, model, tok, requests: list[dict]) -> list
     return outputs
 
 
+def no_plan_when_closed(engine: BatchEngine, seen: list | None = None) -> None:
+    """The policy finds no plan wherever the batch is closed (elsewhere its own choice, or
+    the one a test set before); `seen` gets whether each choice was a closed batch's."""
+    drafting = engine.policy.choose
+
+    def choose(asks):
+        if seen is not None:
+            seen.append(engine.policy.closed)
+        if engine.policy.closed:
+            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
+        return drafting(asks)
+
+    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+
+
 @pytest.mark.parametrize("num_draft", ["auto", 2])
 def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, num_draft):
     """Where a closed batch finds no plan every row gains by, twice running (a hold of
@@ -480,14 +495,7 @@ def test_a_closed_batch_that_finds_no_plan_sheds_its_model_drafters(mtp_target, 
     engine = engine_for(model, tok, drafters, max_batch=3, prefill_step=16, row_cache=cache)
     mtp = engine.names.index("mtp")
     always_draft(engine, mtp)
-    drafting = engine.policy.choose
-
-    def choose(asks):
-        if engine.policy.closed:
-            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
-        return drafting(asks)
-
-    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    no_plan_when_closed(engine)
     engine.policy.join_pays = lambda *args, **kwargs: True  # each row asked joins the head
     closed, joined, plain_step, take_in = [], [], engine._plain_step, engine._take_in
 
@@ -532,15 +540,8 @@ def test_a_closed_batch_that_keeps_finding_no_plan_asks_ever_less_often(loaded):
     tok = with_eos(tok)
     engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3, prefill_step=16)
     engine.policy.closed_hold = hold = 4  # (holds of a few steps: short requests show them)
-    drafting, asked = engine.policy.choose, []
-
-    def choose(asks):
-        asked.append(engine.policy.closed)
-        if engine.policy.closed:
-            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
-        return drafting(asks)
-
-    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    asked = []
+    no_plan_when_closed(engine, asked)
     calls, closed_choice = [], engine._closed_choice
 
     def recorded(rows, ids, free):
@@ -589,14 +590,7 @@ def test_rows_that_refill_a_shedding_batch_wait_out_its_hold(loaded, hold, waits
     tok = with_eos(tok)  # (no EOS: each request runs to its max_tokens)
     engine = engine_for(model, tok, {"ngram": BatchNgram()}, max_batch=3, prefill_step=16)
     engine.policy.closed_hold = hold
-    drafting = engine.policy.choose
-
-    def choose(asks):
-        if engine.policy.closed:
-            return BatchChoice(0, [(None, 0)] * len(asks), why="closed")
-        return drafting(asks)
-
-    engine.policy.choose = engine.policy.replan = lambda asks, *_: choose(asks)
+    no_plan_when_closed(engine)
     calls, closed_choice, ask = [], engine._closed_choice, engine._ask
     engine._ask = lambda row: (calls.append(("ask", row.id)), ask(row))[1]
 
