@@ -486,6 +486,7 @@ class BatchEngine:
             row.done = True
             row.request.emit(exc)
         self.active, self.cache, self._ahead, self._vacant = [], None, None, []
+        self._stacked = None
         for drafter in self.drafters.values():
             drafter.reset()
 
@@ -1398,7 +1399,7 @@ class BatchEngine:
             self.row_cache.put(row.tokens, one, states, hidden, row.features)
         self.active.remove(row)
         if not self.active:
-            self.cache, self._vacant = None, []
+            self.cache, self._vacant, self._stacked = None, [], None  # (an idle server holds none)
         else:  # its row stays until the next step: a row that joins before it takes it over
             self._vacant = sorted([*self._vacant, i])
             self._left = self._turnover = True

@@ -672,6 +672,27 @@ def test_plain_steps_tell_the_drafters_at_the_rows_next_ask(mtp_target):
         assert mx.allclose(item.hidden, want, atol=1e-4).item()
 
 
+def test_rows_ending_together_take_their_features_from_one_stack(mtp_target):
+    """Three equal requests of the MTP head in a closed batch that finds no plan end on one
+    step: their drafters are told their plain steps as they leave, their features taken out
+    of one stack of the steps' features (the prompt cache's entries hold the target's), and
+    the engine, idle, holds no stack."""
+    model, tok, head = mtp_target
+    drafters = {"mtp": BatchMTP(head.module)}
+    engine = engine_for(model, tok, drafters, max_batch=3, row_cache=RowCache())
+    no_plan_when_closed(engine)
+    stacks, stacked = [], engine._untold_hidden
+    engine._untold_hidden = lambda parts: (stacks.append(len(parts)), stacked(parts))[1]
+    requests = random_requests(4, [(6, 20), (9, 20), (7, 20)], drafter="mtp")
+    results = run_all(engine, requests)
+    for req, (tokens, _) in zip(requests, results, strict=True):
+        assert tokens == mlx_spec.generate(model, tok, req["prompt"], max_tokens=20).tokens
+    assert max(stacks) > 1 and engine._stacked is None
+    for item in engine.row_cache._entries:
+        want = ModelRunner(model, hfm.VOCAB, keep_hidden=True).prefill(item.tokens[:-1])
+        assert mx.allclose(item.hidden, want, atol=1e-4).item()
+
+
 def direct_join_run(model, tok, drafters, drafter, vocab):
     """Three prompts run once (their entries fill the prompt cache), then asked again among
     three fresh ones in a busy batch: returns the second run's results, its requests and the
