@@ -235,6 +235,12 @@ def test_window_the_reference_ignores_is_ignored(tmp_path, family):
     _edited_config_matches(tmp_path, family, sliding_window=4)
 
 
+def test_nemotron_h_clamps_the_step_to_the_configured_limit(tmp_path):
+    """Nemotron-H clamps its Mamba step size to `time_step_limit` (not `time_step_min`), as the
+    published implementation and transformers do; a limit that bites changes the logits."""
+    _edited_config_matches(tmp_path, "nemotron_h", time_step_limit=[0.05, 0.2])
+
+
 def test_reference_window_is_read_from_the_model():
     """Whether transformers applies a window follows its modeling code, not its config class."""
     from convert.normalize import _reference_reads_window

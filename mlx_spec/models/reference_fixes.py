@@ -26,9 +26,6 @@ reference, applied to mlx-lm's classes without forking their files.
   ERNIE 4.5 MoE releases do; mlx-lm's sanitize drops the bias and routes by the scores. Kept
   when the config sets `moe_score_correction` (conversion sets it: transformers always routes
   so), so directories converted by mlx-lm, which lack the tensor, load as before.
-- nemotron_h: the Mamba-2 step size clamped to [`time_step_min`, inf), as transformers' mixer
-  does (it ignores `time_step_limit`); mlx-lm's clamps to `time_step_limit` ([0, inf) in the
-  published configs), so small steps differed.
 - jamba: expert weights are the softmax over all experts' router logits at the chosen experts,
   not renormalised, as transformers and the Jamba releases compute them; mlx-lm's takes the
   softmax over the chosen experts' logits only. Applied when the config sets
@@ -67,7 +64,6 @@ FIXED = {
     "gpt_bigcode": "the configured MLP activation",
     "glm": "rotary embeddings on the configured part of each head",
     "ernie4_5_moe": "expert choice with the score-correction bias",
-    "nemotron_h": "the Mamba step-size floor time_step_min",
     "jamba": "expert weights from the softmax over all experts",
     "nanochat": "the configured RMS-norm epsilon",
     "gpt_oss": "YaRN without rounding the correction range (truncate: false)",
@@ -108,7 +104,6 @@ def install() -> None:
     _fix_minicpm3()
     _fix_glm()
     _fix_ernie4_5_moe()
-    _fix_nemotron_h()
     _fix_jamba()
     _fix_nanochat()
     for module, inner in sorted(set(UNIFORM_WINDOW.values())):
@@ -436,22 +431,6 @@ def _fix_ernie4_5_moe() -> None:
     ernie.Ernie4_5_MoeMLP.__init__ = __init__
     ernie.Ernie4_5_MoeMLP.__call__ = __call__
     ernie.Model.sanitize = _sanitize
-
-
-# -------------------------------------------------------------------------------- nemotron_h
-
-
-def _fix_nemotron_h() -> None:
-    from mlx_lm.models import nemotron_h
-
-    mixer_init = nemotron_h.NemotronHMamba2Mixer.__init__
-
-    def __init__(self, args, *a, **k):
-        mixer_init(self, args, *a, **k)
-        if getattr(args, "time_step_min", None) is not None:
-            self.time_step_limit = (float(args.time_step_min), float("inf"))
-
-    nemotron_h.NemotronHMamba2Mixer.__init__ = __init__
 
 
 # ------------------------------------------------------------------------------------- jamba
