@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -14,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from convert.errors import ConversionError
-from convert.fetch import resolve_source
+from convert.fetch import resolve_gguf, resolve_source
 from convert.layouts import rewrite
 from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, text_config
 from convert.mtp_build import build_mtp_module
@@ -295,22 +296,27 @@ def convert_checkpoint(
     quantization: Quantization | None = None,
     force: bool = False,
     revision: str | None = None,
+    gguf_file: str | None = None,
 ) -> ConversionResult:
-    """Convert a Hugging Face checkpoint (hub id or local directory) into an MLX directory.
+    """Convert a Hugging Face checkpoint (hub id or local directory), or a GGUF file (local, or
+    `gguf_file` of hub repo `hf_path`), into an MLX directory.
 
     Args:
-        hf_path: hub id (`org/name`) or local checkpoint directory.
+        hf_path: hub id (`org/name`), local checkpoint directory or local `.gguf` file.
         mlx_path: output directory; refused if it exists unless `force`.
         dtype: float16, bfloat16 or float32 (default: the checkpoint's).
         quantization: quantize linear weights (None: keep `dtype`).
         force: replace an existing output directory.
         revision: hub revision.
+        gguf_file: the name of a GGUF file in hub repo (or local directory) `hf_path`.
     Returns:
         Paths of the target directory and of its MTP drafter directory (None if it has none).
     """
     dest = Path(mlx_path)
     if dest.exists() and not force:
         raise ConversionError(f"{dest}: already exists (use --force to replace it)")
+    if gguf_file is not None or Path(os.path.expanduser(hf_path)).is_file():
+        return _convert_gguf_file(hf_path, gguf_file, dest, dtype, quantization, force, revision)
     source, resolved_revision = resolve_source(hf_path, revision)
     original = _read_config(source)
     if is_medusa_config(original):
@@ -345,6 +351,22 @@ def convert_checkpoint(
         provenance["source_config"] = original  # config.json as the checkpoint had it
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
     return ConversionResult(dest, dest / MTP_DIR if built.mtp else None)
+
+
+def _convert_gguf_file(hf_path, gguf_file, dest, dtype, quantization, force, revision):
+    """A GGUF file: local, or `gguf_file` in hub repo (or local directory) `hf_path`."""
+    from convert.gguf import convert_gguf
+
+    path, resolved = resolve_gguf(hf_path, gguf_file, revision)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    with atomic_directory(dest, force) as out:
+        record = convert_gguf(path, out, dtype, quantization)
+        provenance = _provenance(hf_path, resolved or revision, dtype or "as stored", quantization, None)
+        provenance.update(record)
+        (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
+    _log(f"wrote {dest}")
+    return ConversionResult(dest, None)
 
 
 @dataclass

@@ -40,3 +40,29 @@ def resolve_source(hf_path: str, revision: str | None = None) -> tuple[Path, str
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
         raise ConversionError(f"{hf_path}: cannot fetch from the hub{hint}: {exc}") from exc
     return path, path.name  # snapshots/<commit>
+
+
+def resolve_gguf(
+    hf_path: str, gguf_file: str | None, revision: str | None = None
+) -> tuple[Path, str | None]:
+    """The local path of a GGUF file (`hf_path` itself, or `gguf_file` inside local directory or
+    hub repo `hf_path`) and the hub revision it came from (None if local)."""
+    local = Path(os.path.expanduser(hf_path))
+    if gguf_file is None:
+        return local, None
+    if local.is_dir():
+        path = local / gguf_file
+        if not path.is_file():
+            raise ConversionError(f"{path}: no such file")
+        return path, None
+    if hf_path.startswith((".", "/", "~")) or hf_path.count("/") != 1:
+        raise ConversionError(f"{hf_path}: no such directory, and not a hub id (org/name)")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = Path(hf_hub_download(hf_path, gguf_file, revision=revision))
+    except Exception as exc:  # network, auth, offline-cache misses: name the file either way
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
+        raise ConversionError(f"{hf_path}/{gguf_file}: cannot fetch from the hub{hint}: {exc}") from exc
+    return path, path.parent.name  # snapshots/<commit>/<file>

@@ -63,6 +63,10 @@ class GenerationResult:
 
 
 def _resolve_path(path_or_hub_id: str) -> str:
+    from mlx_spec import catalog
+
+    if (model := catalog.known(path_or_hub_id)) is not None:  # a short name: smollm2
+        return str(catalog.model_dir(model))
     path = os.path.expanduser(path_or_hub_id)
     if os.path.exists(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -86,7 +90,8 @@ def load(
     On the CPU device floating-point weights are cast to float32 (the only fast CPU matmul).
 
     Args:
-        path_or_hub_id: a local directory or `org/name` on the hub.
+        path_or_hub_id: a local directory, `org/name` on the hub, or a short name of a known
+            model ("smollm2": converted into the cache on first use, see `catalog`).
         revision: hub revision (branch, tag or commit).
         shard: in a distributed run (`mlx.launch`), split the target over the ranks: "tensor",
             "pipeline" or "auto" (tensor parallel where the architecture allows it); each rank
