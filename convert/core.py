@@ -362,7 +362,8 @@ def _convert_gguf_file(hf_path, gguf_file, dest, dtype, quantization, force, rev
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     with atomic_directory(dest, force) as out:
         record = convert_gguf(path, out, dtype, quantization)
-        provenance = _provenance(hf_path, resolved or revision, dtype or "as stored", quantization, None)
+        stored = dtype or "as stored"
+        provenance = _provenance(hf_path, resolved or revision, stored, quantization, None)
         provenance.update(record)
         (out / PROVENANCE).write_text(json.dumps(provenance, indent=2))
     _log(f"wrote {dest}")

@@ -64,5 +64,7 @@ def resolve_gguf(
     except Exception as exc:  # network, auth, offline-cache misses: name the file either way
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline else ""
-        raise ConversionError(f"{hf_path}/{gguf_file}: cannot fetch from the hub{hint}: {exc}") from exc
+        raise ConversionError(
+            f"{hf_path}/{gguf_file}: cannot fetch from the hub{hint}: {exc}"
+        ) from exc
     return path, path.parent.name  # snapshots/<commit>/<file>

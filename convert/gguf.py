@@ -246,7 +246,7 @@ def affine_from_blocks(data: np.ndarray, kind: str, shape: tuple[int, ...]):
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Integers [rows, groups, 32] packed little-end-first into uint32 words [rows, cols*bits/32]."""
+    """Integers `[rows, groups, 32]` packed into uint32 words, the first in the low bits."""
     rows = q.shape[0]
     per_word = 32 // bits
     words = q.reshape(rows, -1, per_word).astype(np.uint32)
@@ -324,7 +324,7 @@ def gguf_tensors(file: GGUFFile, config: dict, dtype: str | None = None) -> Tens
 
 def _check_shape(t: GGUFTensor) -> None:
     if t.kind in KEPT and len(t.shape) == 2 and t.shape[1] % GROUP:
-        raise ConversionError(f"tensor {t.name}: {t.shape[1]} columns is not a whole number of blocks")
+        raise ConversionError(f"tensor {t.name}: {t.shape[1]} columns: not whole blocks of 32")
 
 
 # ------------------------------------------------------------------------------------ model
@@ -339,7 +339,9 @@ def build_model(config: dict, tensors: Tensors) -> nn.Module:
     try:
         model = model_cls(args_cls.from_dict(config))
     except (TypeError, KeyError, ValueError) as exc:
-        raise ConversionError(f"the GGUF metadata does not fit {config['model_type']}: {exc}")
+        raise ConversionError(
+            f"the GGUF metadata does not fit {config['model_type']}: {exc}"
+        ) from exc
     if tensors.quantized:
         nn.quantize(
             model,
@@ -351,7 +353,9 @@ def build_model(config: dict, tensors: Tensors) -> nn.Module:
                 else False
             ),
         )
-    weights = model.sanitize(dict(tensors.weights)) if hasattr(model, "sanitize") else tensors.weights
+    weights = dict(tensors.weights)
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
     expected = dict(tree_flatten(model.parameters()))
     for name in sorted(set(weights) - set(expected)):
         raise ConversionError(f"tensor {name} has no place in mlx-lm's {config['model_type']}")
@@ -429,8 +433,13 @@ def _plain_metadata(metadata: dict) -> dict:
     """The metadata for conversion.json, without the long tokenizer arrays."""
     out = {}
     for key, value in metadata.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                   "tokenizer.ggml.token_type", "tokenizer.chat_template"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type",
+            "tokenizer.chat_template",
+        ):
             out[key] = f"<{len(value)} entries>" if isinstance(value, list) else "<text>"
             continue
         if hasattr(value, "tolist"):

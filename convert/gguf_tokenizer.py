@@ -92,9 +92,7 @@ def build_tokenizer(metadata: dict):
         raise ConversionError("the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))]
     if len(types) != len(tokens):
-        raise ConversionError(
-            f"tokenizer: {len(types)} token types for {len(tokens)} tokens"
-        )
+        raise ConversionError(f"tokenizer: {len(types)} token types for {len(tokens)} tokens")
     if kind == "gpt2":
         tokenizer, add_bos_default = _byte_level(metadata, tokens, types), False
     elif kind == "llama":
@@ -136,7 +134,8 @@ def _byte_level(metadata: dict, tokens: list[str], types: list[int]):
     pre = _field(metadata, "pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ConversionError(
-            f"tokenizer pre-tokenizer {pre!r} is not known (known: {', '.join(sorted(PRE_TOKENIZERS))})"
+            f"tokenizer pre-tokenizer {pre!r} is not known "
+            f"(known: {', '.join(sorted(PRE_TOKENIZERS))})"
         )
     splits, ignore_merges = PRE_TOKENIZERS[pre]
     alphabet = _byte_alphabet()
@@ -242,8 +241,10 @@ def _post_processor(tokenizer, config: dict, tokens: list[str], metadata: dict) 
     if not head and not tail:
         return
     single = " ".join([f"{t}:0" for t, _ in head] + ["$A:0"] + [f"{t}:0" for t, _ in tail])
-    pair = single + " " + " ".join(
-        [f"{t}:1" for t, _ in head] + ["$B:1"] + [f"{t}:1" for t, _ in tail]
+    pair = (
+        single
+        + " "
+        + " ".join([f"{t}:1" for t, _ in head] + ["$B:1"] + [f"{t}:1" for t, _ in tail])
     )
     tokenizer.post_processor = processors.TemplateProcessing(
         single=single, pair=pair, special_tokens=sorted(set(head + tail), key=lambda x: x[1])

@@ -141,9 +141,9 @@ def _sha256(path: Path) -> str:
 def model_dir(model: KnownModel, dtype: str | None = None) -> Path:
     """The model converted to MLX in the cache (converted on first use): float32 on the CPU
     (or `dtype`), the file's own quantized weights elsewhere."""
-    import mlx.core as mx
-
     from convert import convert_checkpoint
+
+    import mlx.core as mx
 
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = "float32"

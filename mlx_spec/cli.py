@@ -354,6 +354,35 @@ def _add_distill(sub) -> None:
         help="text kept for evaluation (default: the last tenth of --data)",
     )
     p.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="train on the target's own answers to these chat prompts (JSON lines with "
+        '"prompt", or one per line), each rendered with its chat template; the last tenth '
+        "is held out",
+    )
+    p.add_argument(
+        "--answers",
+        metavar="FILE",
+        help="with --prompts: where the answers are kept (default: OUT/answers.jsonl); answers "
+        "already there are reused, so an interrupted run, or another drafter's, goes on",
+    )
+    p.add_argument(
+        "--answer-tokens", type=int, default=256, help="with --prompts: tokens per answer"
+    )
+    p.add_argument(
+        "--answer-temperatures",
+        default="0,0.7",
+        metavar="T,T",
+        help="with --prompts: each prompt is answered once at each (default 0,0.7)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="--kind eagle3: draft over the N target tokens most frequent in the training "
+        "text (a smaller, faster output head; default: the whole vocabulary)",
+    )
+    p.add_argument(
         "--generate-tokens",
         type=int,
         default=50_000,
@@ -409,7 +438,7 @@ def _add_distill(sub) -> None:
 
 
 def cmd_distill(args) -> int:
-    from mlx_spec.distill import run_distill
+    from mlx_spec.distill import ChatData, run_distill
 
     config = DistillConfig(
         kind=args.kind,
@@ -424,6 +453,17 @@ def cmd_distill(args) -> int:
         mtp_family=args.mtp_family,
         heads=args.heads,
     )
+    chat = None
+    if args.prompts:
+        if args.data:
+            raise ValueError("--prompts and --data are two sources of text: give one")
+        temperatures = tuple(float(t) for t in args.answer_temperatures.split(","))
+        answers = args.answers or os.path.join(args.out, "answers.jsonl")
+        chat = ChatData(args.prompts, answers, temperatures, args.answer_tokens)
+    if args.draft_vocab is not None and args.kind != "eagle3":
+        raise ValueError(
+            "--draft-vocab sizes an EAGLE-3 head's vocabulary: use it with --kind eagle3"
+        )
     _blas.warn_if_slow()
     report = run_distill(
         args.model,
@@ -436,6 +476,8 @@ def cmd_distill(args) -> int:
         target_batch=args.target_batch,
         init=args.init,
         force=args.force,
+        chat=chat,
+        draft_vocab=args.draft_vocab,
     )
     before, after = report["before"] or {}, report["after"]
     for key in after:

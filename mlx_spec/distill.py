@@ -36,6 +36,7 @@ from mlx_spec.hidden import find_head, tap_hidden, tap_layers
 from mlx_spec.models.dflash import dflash_for, save_dflash, train_logits, training_anchors
 from mlx_spec.models.eagle3 import eagle3_for, save_eagle3
 from mlx_spec.models.mtp import MTPModule, target_layers
+from mlx_spec.training.teacher import TeacherCache, TopK, kl_to_teacher, windows_of
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,10 +112,18 @@ def student_config(target_config: dict, config: DistillConfig) -> dict:
 
 
 def build_student(
-    target: nn.Module, target_config: dict, config: DistillConfig, init: Path | None = None
+    target: nn.Module,
+    target_config: dict,
+    config: DistillConfig,
+    init: Path | None = None,
+    *,
+    counts: np.ndarray | None = None,
+    draft_vocab: int | None = None,
 ):
     """(student module, its config) for `config.kind`: freshly initialized, or the drafter
-    in `init` (a directory `mlx-spec distill` or `mlx-spec convert` wrote) to train further."""
+    in `init` (a directory `mlx-spec distill` or `mlx-spec convert` wrote) to train further.
+    An EAGLE-3 head with `draft_vocab` drafts over the `draft_vocab` target tokens most
+    frequent in `counts` (how often each token id occurs in the training text)."""
     mx.random.seed(config.seed)
     if init is not None:
         return _load_student(target, target_config, config, init)
@@ -125,13 +134,22 @@ def build_student(
     if config.kind == "medusa":
         return medusa_student(target, config.heads), target_config
     if config.kind == "eagle3":
-        return eagle3_for(target, target_config), target_config
+        vocab = None if draft_vocab is None else frequent_tokens(counts, draft_vocab)
+        return eagle3_for(target, target_config, vocab), target_config
     if config.kind == "dflash":
         return dflash_for(target, target_config, config.num_layers), target_config
     text = target_config.get("text_config", target_config)
     layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
     module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
     return module, target_config
+
+
+def frequent_tokens(counts: np.ndarray, size: int) -> np.ndarray:
+    """The `size` token ids most frequent in `counts` (ties: lower id), ascending."""
+    if not 0 < size <= counts.size:
+        raise ValueError(f"--draft-vocab must be in 1 .. {counts.size}, got {size}")
+    order = np.lexsort((np.arange(counts.size), -counts))
+    return np.sort(order[:size])
 
 
 def medusa_student(target: nn.Module, heads: int) -> MedusaHeads:
@@ -182,14 +200,8 @@ def _load_student(target: nn.Module, target_config: dict, config: DistillConfig,
     return model, json.loads((init / "config.json").read_text())
 
 
-def _kl(teacher_logprobs: mx.array, student_logits: mx.array) -> mx.array:
-    """Mean over positions of KL(teacher || student); both `[..., vocab]`."""
-    student_logprobs = student_logits - mx.logsumexp(student_logits, axis=-1, keepdims=True)
-    return (mx.exp(teacher_logprobs) * (teacher_logprobs - student_logprobs)).sum(-1).mean()
-
-
 class Distiller:
-    """Trains a student against a frozen target on batches from `data`."""
+    """Trains a student to match a frozen target's cached answers (`TeacherCache`)."""
 
     def __init__(self, target: nn.Module, student: nn.Module, config: DistillConfig):
         self.target, self.student, self.config = target, student, config
@@ -198,6 +210,12 @@ class Distiller:
             self.tap = tap_layers(target, student.cfg.layer_ids)
         if config.kind == "dflash":
             self.tap = tap_layers(target, student.hidden_layers)
+        ids = getattr(student, "target_ids", None) if config.kind == "eagle3" else None
+        self.t2d = None  # target id -> draft index, for a head over a reduced vocabulary
+        if ids is not None:
+            t2d = np.full(student.cfg.vocab_size, -1, np.int32)
+            t2d[np.array(ids)] = np.arange(ids.size, dtype=np.int32)
+            self.t2d = mx.array(t2d)
         self.target.freeze()
         warmup = max(1, config.steps // 20)
         schedule = optim.join_schedules(
@@ -210,38 +228,44 @@ class Distiller:
         self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
         self._grad = nn.value_and_grad(student, self._loss)
 
-    def _teacher(self, tokens: mx.array):
-        logits = self.target(tokens)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        hidden = self.tap.hidden if self.tap else None
-        return mx.stop_gradient(logprobs), None if hidden is None else mx.stop_gradient(hidden)
+    @property
+    def features(self) -> str | None:
+        """What the student reads of the target besides its answers (None: nothing)."""
+        if self.tap is None:
+            return None
+        ids = getattr(self.tap, "ids", None)
+        return "final" if ids is None else "layers " + " ".join(map(str, ids))
+
+    def _kl(self, teacher: TopK, logits: mx.array) -> mx.array:
+        return kl_to_teacher(teacher, logits, self.t2d)
 
     def _loss(
-        self, tokens: mx.array, teacher: mx.array, hidden: mx.array | None, unroll: bool = True
+        self, tokens: mx.array, teacher: TopK, hidden: mx.array | None, unroll: bool = True
     ) -> mx.array:
         """The training loss (`unroll=False`: the first drafting step alone, the held-out KL
         every kind reports alike)."""
         if self.config.kind == "draft-model":
-            return _kl(teacher, self.student(tokens)[..., : teacher.shape[-1]])
+            return self._kl(teacher, self.student(tokens))
         if self.config.kind == "dflash":
             # Draft i of the block at a guesses the token at a + i: the target's
             # distribution for it is at a + i - 1.
-            logits = train_logits(self.student, tokens, hidden)[..., : teacher.shape[-1]]
+            logits = train_logits(self.student, tokens, hidden)
             block = self.student.cfg.block_size
             starts = training_anchors(tokens.shape[1], block)
             rows = mx.array([[a + i for i in range(block - 1)] for a in starts])
-            return _kl(teacher[:, rows], logits)
+            return self._kl(teacher[:, rows], logits)
         if self.config.kind == "medusa":
             # Head k reads h_p and guesses t_{p+2+k}, whose target distribution is at p+1+k.
-            logits = self.student(hidden)[..., : teacher.shape[-1]]  # [K, B, S, V]
+            logits = self.student(hidden)  # [K, B, S, V]
             losses = [
-                _kl(teacher[:, k + 1 :], logits[k, :, : -(k + 1)]) for k in range(logits.shape[0])
+                self._kl(teacher[:, k + 1 :], logits[k, :, : -(k + 1)])
+                for k in range(logits.shape[0])
             ]
             return mx.stack(losses).mean()
         # MTP and EAGLE-3: the pair (h_p, t_{p+1}) (h: the layers' features for EAGLE-3)
         # predicts t_{p+2}, whose target distribution is at p+1.
-        logits = self.student(tokens[:, 1:], cache=[None], hidden=hidden[:, :-1])
-        loss = _kl(teacher[:, 1:], logits[..., : teacher.shape[-1]])
+        logits = self._student(tokens[:, 1:], hidden[:, :-1])
+        loss = self._kl(teacher[:, 1:], logits)
         if self.config.kind != "eagle3" or not unroll:
             return loss
         # EAGLE-3's training-time test: step i + 1 feeds back step i's outputs, as drafting
@@ -250,25 +274,36 @@ class Distiller:
         total, weight = loss, 1.0
         for step in range(1, TTT_STEPS):
             fed = self.student.feedback[:, :-1]
-            logits = self.student(tokens[:, step + 1 :], cache=[None], hidden=fed)
+            logits = self._student(tokens[:, step + 1 :], fed)
             weight *= 0.8
-            total = total + weight * _kl(teacher[:, step + 1 :], logits[..., : teacher.shape[-1]])
+            total = total + weight * self._kl(teacher[:, step + 1 :], logits)
         return total
 
-    def step(self, tokens: mx.array) -> float:
-        teacher, hidden = self._teacher(tokens)
-        loss, grads = self._grad(tokens, teacher, hidden)
+    def _student(self, tokens: mx.array, hidden: mx.array) -> mx.array:
+        if self.t2d is not None:  # the head's own (draft vocabulary) logits
+            return self.student(tokens, cache=[None], hidden=hidden, full=False)
+        return self.student(tokens, cache=[None], hidden=hidden)
+
+    def step(self, batch: tuple) -> float:
+        """One optimizer step on a batch of (tokens, teacher, features)."""
+        loss, grads = self._grad(*batch)
         self.optimizer.update(self.student, grads)
         mx.eval(loss, self.student.parameters(), self.optimizer.state)
         return loss.item()
 
-    def evaluate(self, batches: list[mx.array]) -> float:
-        """Mean KL(target || student) on fixed batches."""
+    def evaluate(self, teacher: TeacherCache, batch_size: int) -> float:
+        """Mean KL(target || student) on the held-out windows (over the teacher's top K)."""
         losses = []
-        for tokens in batches:
-            teacher, hidden = self._teacher(tokens)
-            losses.append(self._loss(tokens, teacher, hidden, unroll=False).item())
+        for start in range(0, len(teacher.windows), batch_size):
+            indices = np.arange(start, min(start + batch_size, len(teacher.windows)))
+            losses.append(self._loss(*teacher.batch(indices), unroll=False).item())
         return float(np.mean(losses)) if losses else float("nan")
+
+
+def batch_indices(step: int, windows: int, batch_size: int, seed: int) -> np.ndarray:
+    """The windows of training step `step`: a function of (seed, step) alone, so a resumed run
+    sees exactly the batches an uninterrupted one would."""
+    return np.random.default_rng((seed, 0, step)).integers(0, windows, size=batch_size)
 
 
 def save_checkpoint(path: Path, distiller: Distiller, step: int) -> None:
@@ -302,15 +337,19 @@ def load_checkpoint(path: Path, distiller: Distiller) -> int:
     return meta["step"]
 
 
-def train(distiller: Distiller, data: TokenData, checkpoint: Path, progress: bool = True) -> int:
-    """Run (or resume) training to `config.steps`; returns the steps done in total."""
+def train(
+    distiller: Distiller, teacher: TeacherCache, checkpoint: Path, progress: bool = True
+) -> int:
+    """Run (or resume) training to `config.steps` on the cached teacher's windows; returns the
+    steps done in total."""
     config = distiller.config
     start = load_checkpoint(checkpoint, distiller) if (checkpoint / "state.json").exists() else 0
     bar = tqdm(total=config.steps, initial=start, desc="distill", disable=not progress, unit="step")
     step, tic = start, time.perf_counter()
     try:
         while step < config.steps:
-            loss = distiller.step(data.batch(step, config.batch_size, config.seq_len))
+            indices = batch_indices(step, len(teacher.windows), config.batch_size, config.seed)
+            loss = distiller.step(teacher.batch(indices))
             step += 1
             rate = config.batch_size * config.seq_len * (step - start) / (time.perf_counter() - tic)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
@@ -340,6 +379,9 @@ def write_drafter(
     elif distiller.config.kind == "eagle3":
         student = distiller.student
         weights = dict(tree_flatten(student.parameters()))
+        if student.target_ids is not None:  # draft index i drafts target id i + d2t[i]
+            size = student.cfg.draft_vocab_size
+            weights["d2t"] = student.target_ids - mx.arange(size, dtype=mx.int32)
         save_eagle3(tmp, student.cfg, weights, mx.float32)
     elif distiller.config.kind == "dflash":
         student = distiller.student
@@ -347,7 +389,7 @@ def write_drafter(
     else:
         save_mtp_drafter(tmp, distiller.student, student_cfg)
     (tmp / "distill.json").write_text(json.dumps(report, indent=2))
-    keep = {CHECKPOINT, DATA_CACHE, BEFORE}
+    keep = {CHECKPOINT, DATA_CACHE, BEFORE, TEACHER_CACHE, "answers.jsonl"}
     if out.exists():
         for child in out.iterdir():
             if child.name not in keep:
@@ -405,13 +447,11 @@ def heldout_acceptance(
     return total.acceptance_rate, first[0] if first else 0.0
 
 
-def measure(distiller: Distiller, tokenizer, heldout: TokenData) -> dict:
+def measure(distiller: Distiller, tokenizer, heldout: TokenData, teacher: TeacherCache) -> dict:
     """Held-out KL and acceptance (greedy and temperature 1) of the student as it stands."""
-    config = distiller.config
-    batches = heldout.fixed_batches(4, config.batch_size, min(config.seq_len, len(heldout) - 1))
     drafter = drafter_for(distiller, tokenizer)
     prompts = heldout.prompts(8, 32)
-    report = {"heldout_kl": distiller.evaluate(batches)}
+    report = {"heldout_kl": distiller.evaluate(teacher, distiller.config.batch_size)}
     for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
         rate, first = heldout_acceptance(distiller.target, tokenizer, drafter, prompts, temperature)
         report[f"acceptance_{name}"] = rate
@@ -433,26 +473,32 @@ def prepare_data(
     seed: int,
     target_tokens: int = 0,
     target_batch: int = 16,
+    chat: ChatData | None = None,
 ) -> tuple[TokenData, TokenData]:
     """Training and held-out tokens, cached in `out_dir` so a resumed run uses the same ones.
 
-    Without data paths the target writes `generate` tokens itself; without held-out paths the
-    last tenth of the training tokens is held out (and never trained on). With data paths and
-    `target_tokens`, the target's own continuations of windows of the training data are added.
+    With `chat`, the target's answers to chat prompts (each with its prompt, through the chat
+    template; the last tenth of the prompts held out). Otherwise without data paths the target
+    writes `generate` tokens itself; without held-out paths the last tenth of the training
+    tokens is held out (and never trained on). With data paths and `target_tokens`, the
+    target's own continuations of windows of the training data are added.
     """
     cache = out_dir / DATA_CACHE
     if cache.exists():
         saved = np.load(cache)
         return TokenData(saved["train"], seed), TokenData(saved["heldout"], seed)
-    if data_paths:
-        train = encode_files(text_files(data_paths), tokenizer)
+    if chat is not None:
+        train, heldout = chat.tokens(target, tokenizer, seed)
     else:
-        train = generate_tokens(target, tokenizer, generate, seed)
-    if holdout_paths:
-        heldout = encode_files(text_files(holdout_paths), tokenizer)
-    else:
-        cut = int(train.size * 0.9)
-        train, heldout = train[:cut], train[cut:]
+        if data_paths:
+            train = encode_files(text_files(data_paths), tokenizer)
+        else:
+            train = generate_tokens(target, tokenizer, generate, seed)
+        if holdout_paths:
+            heldout = encode_files(text_files(holdout_paths), tokenizer)
+        else:
+            cut = int(train.size * 0.9)
+            train, heldout = train[:cut], train[cut:]
     if data_paths and target_tokens > 0:
         vocab = scored_vocab(target, tokenizer)
         own = target_text(target, train, target_tokens, seed, tokenizer, vocab, target_batch)
@@ -460,6 +506,61 @@ def prepare_data(
     out_dir.mkdir(parents=True, exist_ok=True)
     np.savez(cache, train=train, heldout=heldout)
     return TokenData(train, seed), TokenData(heldout, seed)
+
+
+@dataclass(frozen=True)
+class ChatData:
+    """Train on the target's own answers to chat prompts.
+
+    Attributes:
+        prompts: file of prompts (JSON lines with "prompt", or one per line).
+        answers: JSON-lines file the answers are kept in (several runs can share it).
+        temperatures: each prompt is answered once at each.
+        max_tokens: tokens per answer at most.
+        batch: answers written at once.
+    """
+
+    prompts: str
+    answers: str
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    max_tokens: int = 256
+    batch: int = 32
+
+    def tokens(self, target, tokenizer, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(training tokens, held-out tokens): the answers to the first nine tenths of the
+        prompts, and to the rest."""
+        from mlx_spec.training.chat_data import answer_tokens, read_prompts, write_answers
+
+        prompts = read_prompts(self.prompts)
+        records = write_answers(
+            target, tokenizer, prompts, self.answers, temperatures=self.temperatures,
+            max_tokens=self.max_tokens, batch=self.batch, seed=seed,
+        )  # fmt: skip
+        cut = max(1, int(len(prompts) * 0.9))
+        eos = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else None
+        train = answer_tokens([r for r in records if r["index"] < cut], eos)
+        heldout = answer_tokens([r for r in records if r["index"] >= cut], eos)
+        return train, heldout
+
+
+TEACHER_CACHE = ".distill-teacher"
+HELDOUT_WINDOWS = 4  # held-out batches the KL is measured on
+
+
+def _teachers(distiller: Distiller, target, tokenizer, data, heldout, out_dir: Path):
+    """The teacher caches of the training windows (at most as many as the steps will read) and
+    of the held-out windows."""
+    config = distiller.config
+    vocab = scored_vocab(target, tokenizer)
+    seq = config.seq_len
+    train = windows_of(data.tokens, seq, most=config.steps * config.batch_size)
+    held = windows_of(heldout.tokens, min(seq, heldout.tokens.size))
+    held = held[: HELDOUT_WINDOWS * config.batch_size]
+    folder = out_dir / TEACHER_CACHE
+    return (
+        TeacherCache(folder / "train", train, distiller.features, vocab),
+        TeacherCache(folder / "heldout", held, distiller.features, vocab),
+    )
 
 
 def run_distill(
@@ -475,6 +576,8 @@ def run_distill(
     init: str | None = None,
     progress: bool = True,
     force: bool = False,
+    chat: ChatData | None = None,
+    draft_vocab: int | None = None,
 ) -> dict:
     """Distill a drafter for the target at `target_dir` into `out`; returns the report.
 
@@ -486,6 +589,9 @@ def run_distill(
             own continuations of windows of the data (half greedy, half sampled).
         target_batch: rows the target continues at once while writing them.
         init: a drafter directory to train further instead of starting from scratch.
+        chat: train on the target's answers to chat prompts instead.
+        draft_vocab: EAGLE-3 only: the head's output vocabulary, the most frequent target
+            tokens of the training text (None: the whole vocabulary).
     """
     from mlx_spec.api import load
 
@@ -507,21 +613,29 @@ def run_distill(
         config.seed,
         target_tokens,
         target_batch,
+        chat,
     )
+    counts = None
+    if draft_vocab is not None:
+        counts = np.bincount(data.tokens, minlength=scored_vocab(target, tokenizer))
     student, student_cfg = build_student(
-        target, target_text_config(Path(target_dir)), config, None if init is None else Path(init)
-    )
+        target, target_text_config(Path(target_dir)), config, None if init is None else Path(init),
+        counts=counts, draft_vocab=draft_vocab,
+    )  # fmt: skip
     distiller = Distiller(target, student, config)
+    teacher, heldout_teacher = _teachers(distiller, target, tokenizer, data, heldout, out_dir)
+    teacher.fill(target, distiller.tap, progress)
+    heldout_teacher.fill(target, distiller.tap, progress)
     tic = time.perf_counter()
     before_file = out_dir / BEFORE
     if checkpoint.exists():  # resumed: the first run measured the untrained drafter
         before = json.loads(before_file.read_text()) if before_file.is_file() else None
     else:
-        before = measure(distiller, tokenizer, heldout)
+        before = measure(distiller, tokenizer, heldout, heldout_teacher)
         out_dir.mkdir(parents=True, exist_ok=True)
         before_file.write_text(json.dumps(before))
-    steps = train(distiller, data, checkpoint, progress)
-    after = measure(distiller, tokenizer, heldout)
+    steps = train(distiller, teacher, checkpoint, progress)
+    after = measure(distiller, tokenizer, heldout, heldout_teacher)
     report = {
         "kind": config.kind,
         "steps": steps,
@@ -537,6 +651,7 @@ def run_distill(
     }
     write_drafter(out_dir, distiller, student_cfg, Path(target_dir), report)
     shutil.rmtree(checkpoint, ignore_errors=True)
+    shutil.rmtree(out_dir / TEACHER_CACHE, ignore_errors=True)
     (out_dir / DATA_CACHE).unlink(missing_ok=True)
     before_file.unlink(missing_ok=True)
     return report

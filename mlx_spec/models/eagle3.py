@@ -242,10 +242,15 @@ class Eagle3Head(nn.Module):
         return self.fc(hidden) if hidden.shape[-1] == self.features else hidden
 
     def __call__(
-        self, tokens: mx.array, cache: list, hidden: mx.array, at: mx.array | None = None
+        self,
+        tokens: mx.array,
+        cache: list,
+        hidden: mx.array,
+        at: mx.array | None = None,
+        full: bool = True,
     ) -> mx.array:
         """Logits `[B, S, V]`; with `at` (`[B]` positions) only row i's position `at[i]`:
-        `[B, 1, V]`, and `feedback` as narrow."""
+        `[B, 1, V]`, and `feedback` as narrow. `full=False`: over the draft vocabulary."""
         e = self.embed(tokens)
         g = self.g_of(hidden.astype(e.dtype))
         mask = create_attention_mask(g, cache[0], return_array=True)
@@ -254,32 +259,40 @@ class Eagle3Head(nn.Module):
             y = at_positions(y, at)
         object.__setattr__(self, "feedback", y)
         logits = self.lm_head(self.norm(y))
-        if self.target_ids is None:
+        if self.target_ids is None or not full:
             return logits
         full = mx.full((*logits.shape[:-1], self.cfg.vocab_size), -mx.inf, logits.dtype)
         full[..., self.target_ids] = logits
         return full
 
 
-def eagle3_for(target: nn.Module, target_config: dict) -> Eagle3Head:
+def eagle3_for(target: nn.Module, target_config: dict, draft_ids=None) -> Eagle3Head:
     """A fresh EAGLE-3 head for `target` (to distil): as wide as the target, its attention
-    shaped like the target's, the full target vocabulary (no d2t), reading the default
-    layers; its output head starts as a copy of the target's."""
+    shaped like the target's, reading the default layers, drafting over the target ids
+    `draft_ids` (ascending; None: the whole vocabulary, no d2t); its output head starts as
+    the target's rows of those ids."""
     from mlx_spec.hidden import find_head
 
     shape = shaped_like(target_config)
     vocab = target_config.get("text_config", target_config)["vocab_size"]
+    size = vocab if draft_ids is None else len(draft_ids)
     cfg = Eagle3Config(
         **shape,
         target_hidden_size=shape["hidden_size"],
         vocab_size=vocab,
-        draft_vocab_size=vocab,
+        draft_vocab_size=size,
         layer_ids=default_layer_ids(len(decoder_layers(target))),
     )
-    head = Eagle3Head(cfg, target)
+    d2t = None
+    if draft_ids is not None:  # draft index i drafts target id i + d2t[i]
+        d2t = mx.array(draft_ids, mx.int64) - mx.arange(size, dtype=mx.int64)
+    head = Eagle3Head(cfg, target, d2t=d2t)
     out, _ = find_head(target)
     if out.weight.dtype in (mx.float32, mx.float16, mx.bfloat16):
-        head.lm_head.weight = mx.array(out.weight[: cfg.vocab_size].astype(mx.float32))
+        rows = out.weight[: cfg.vocab_size]
+        if draft_ids is not None:
+            rows = rows[mx.array(draft_ids)]
+        head.lm_head.weight = mx.array(rows.astype(mx.float32))
     return head
 
 
