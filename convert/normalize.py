@@ -150,6 +150,10 @@ LAYER_TYPE_NAMES = {
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
+# Families whose mlx-lm model builds its attention masks from its first sliding-window layer
+# and its first full-attention layer: a config that lacks either kind cannot run there.
+NEEDS_BOTH_KINDS = ("exaone4", "olmo3")
+
 
 def normalize_config(config: dict) -> dict:
     """A copy of `config` with the keys mlx-lm reads filled from the forms transformers writes."""
@@ -188,7 +192,35 @@ def normalize_config(config: dict) -> dict:
         if args_cls is not None:
             _fill_fields(part, args_cls)
         _normalize_sliding_pattern(part, args_cls)
+        _check_both_kinds(part)
     return config
+
+
+def _check_both_kinds(cfg: dict) -> None:
+    """Refuse an EXAONE 4 or OLMo 3 config whose layers are all sliding-window (or all full)
+    attention: the published models interleave them, and mlx-lm's models need one of each."""
+    family = cfg.get("model_type")
+    if family not in NEEDS_BOTH_KINDS:
+        return
+    if family == "exaone4":
+        pattern = cfg.get("sliding_window_pattern")
+        if not isinstance(pattern, str) or not pattern:
+            return  # no window: every layer attends to the whole context
+        kinds = {SLIDING if c == "L" else FULL for c in pattern}
+    else:
+        layers = cfg.get("num_hidden_layers") or 0
+        types = cfg.get("layer_types") or [
+            FULL if (i + 1) % 4 == 0 else SLIDING
+            for i in range(layers)  # mlx-lm's default
+        ]
+        kinds = set(types)
+    for kind, word in ((FULL, "sliding-window"), (SLIDING, "full")):
+        if kinds and kind not in kinds:
+            raise ConversionError(
+                f"{family}: every layer is {word} attention; mlx-lm's {family} model needs "
+                "both sliding-window and full-attention layers, as the published models have "
+                "(a full-attention layer every few): not converted"
+            )
 
 
 # ------------------------------------------------------------------------------------- rope

@@ -14,6 +14,8 @@ from mlx_spec import _blas
 from mlx_spec.distill import KINDS, DistillConfig
 from mlx_spec.drafters.lookahead import LookaheadDrafter
 
+DEFAULT_ASSISTANT = "smollm2"  # chat and serve without --model: a real instruct model
+
 EPILOG = """examples:
   mlx-spec generate --model ./target --draft-model ./draft --prompt "def parse_args(argv):"
   mlx-spec generate --model ./target --ngram --temp 1.0 --seed 0 --prompt "..." --json
@@ -86,6 +88,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="use the prompt as it is (default: as the user's message in the model's chat "
+        "template, when it has one, as mlx_lm.generate does)",
+    )
+    p.add_argument("--system", help="a system message before the prompt (with the template)")
+    p.add_argument(
         "--compare",
         action="store_true",
         help="also decode plainly and report the speedup (on by default without --model)",
@@ -100,9 +109,6 @@ def _add_generate(sub) -> None:
 
 def _drafter(args, model):
     """The drafter the flags name; several flags: a group, chosen between every round."""
-    if getattr(args, "all_drafters", None):  # the embedded pair: n-gram, draft model, MTP head
-        (draft,) = args.all_drafters
-        return ["ngram", mlx_spec.load_drafter(draft), "mtp"]
     chosen = []
     if getattr(args, "lookahead", False):
         chosen.append(LookaheadDrafter(args.window, args.ngram_size, args.candidates))
@@ -144,30 +150,46 @@ def _drafter(args, model):
     return chosen[0] if chosen else None
 
 
-def _demo_defaults(args) -> None:
-    """No --model: the embedded pair, converted on first use; without a drafter flag all three
-    of its drafters are offered and chosen between online (`args.all_drafters`)."""
+def _model_defaults(args, default: str | None = None) -> None:
+    """Resolve `--model`: unset, `default` (a known model's short name) or else the embedded
+    demo pair (converted on first use); a short name, its conversion in the cache. The demo
+    pair, or a known model, named without drafter flags offers every drafter it has, n-gram
+    lookup included, chosen between every round."""
+    from mlx_spec import catalog
     from mlx_spec.embedded import converted_pair
 
-    target, draft = converted_pair()
-    args.model, args.compare = str(target), True
+    name = args.model or default
+    if name is None:
+        target, draft = converted_pair()
+        args.model, args.compare = str(target), True
+        drafters = {"draft": draft, "mtp": target / "mtp"}
+        if args.draft_model == "embedded":
+            args.draft_model = str(draft)
+    elif (known := catalog.known(name)) is not None:
+        target = catalog.model_dir(known)
+        args.model = str(target)
+        drafters = {kind: target / kind for kind in catalog.shipped_drafters(known)}
+    else:
+        return
     chosen = (
         args.ngram, args.draft_model, args.mtp is not None, args.assistant, args.eagle,
-        args.dflash,
+        args.dflash, getattr(args, "medusa", None) is not None, getattr(args, "lookahead", False),
     )  # fmt: skip
-    tree = getattr(args, "medusa", None) is not None or getattr(args, "lookahead", False)
-    if not any(chosen) and not tree:
-        args.all_drafters = [str(draft)]
-    if args.draft_model == "embedded":
-        args.draft_model = str(draft)
+    if any(chosen):
+        return
+    args.ngram = True
+    args.draft_model = str(drafters["draft"]) if "draft" in drafters else None
+    args.eagle = str(drafters["eagle3"]) if "eagle3" in drafters else None
+    args.mtp = "" if "mtp" in drafters else None  # MODEL/mtp
 
 
 def cmd_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     _blas.warn_if_slow()
-    if args.model is None:
-        _demo_defaults(args)
+    _model_defaults(args)
     model, tokenizer = _load_target(args)
+    if not args.ignore_chat_template:
+        prompt = _chat_prompt(tokenizer, prompt, args.system)
     drafter = _drafter(args, model)
     stream = mlx_spec.stream_generate(
         model,
@@ -208,6 +230,17 @@ def cmd_generate(args) -> int:
         print()
         print(_summary(stats, last.stats.choices_line()), file=sys.stderr)
     return 0
+
+
+def _chat_prompt(tokenizer, prompt: str, system: str | None) -> str:
+    """`prompt` as the user's message in the model's chat template (as mlx_lm.generate does),
+    after `system` if given; as it is when the tokenizer has no template."""
+    from mlx_spec.chat import chat_prompt, has_chat_template
+
+    if not has_chat_template(tokenizer):
+        return prompt
+    messages = [{"role": "system", "content": system}] if system else []
+    return chat_prompt(tokenizer, [*messages, {"role": "user", "content": prompt}])
 
 
 def _speedup(args, model, tokenizer, prompt, stats: dict) -> float:
@@ -717,8 +750,7 @@ def cmd_chat(args) -> int:
     from mlx_spec.session import Session
 
     _blas.warn_if_slow()
-    if args.model is None:
-        _demo_defaults(args)
+    _model_defaults(args, default=DEFAULT_ASSISTANT)
     model, tokenizer = _load_target(args)
     session = Session(
         model,
@@ -892,11 +924,8 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     trace_steps = _trace_file(args.trace_steps, args.no_batching)
     _blas.warn_if_slow()
-    demo = args.model is None
-    if demo:
-        _demo_defaults(args)
-        if getattr(args, "all_drafters", None):  # every drafter of the pair, "all" by default
-            args.draft_model, args.mtp = args.all_drafters[0], ""
+    named_model = args.model or DEFAULT_ASSISTANT
+    _model_defaults(args, default=DEFAULT_ASSISTANT)
     model, tokenizer = _load_target(args)
     mtp = None if args.mtp is None else (args.mtp or args.model)
     drafters = drafter_factories(
@@ -907,11 +936,9 @@ def cmd_serve(args) -> int:
              ("gemma4-assistant", args.assistant), ("eagle3", args.eagle),
              ("dflash", args.dflash)]  # fmt: skip
     named = [name for name, flag in flags if flag]
-    several = getattr(args, "all_drafters", None) or len(named) > 1
-    default = "all" if several else (named[0] if named else None)
+    default = "all" if len(named) > 1 else (named[0] if named else None)
     config = ServerConfig(
-        model_id=args.model_id
-        or ("mlx-spec-demo" if demo else os.path.basename(os.path.normpath(args.model))),
+        model_id=args.model_id or os.path.basename(os.path.normpath(named_model)),
         api_key=args.api_key,
         max_tokens_limit=args.max_tokens_limit,
         max_request_bytes=args.max_request_bytes,

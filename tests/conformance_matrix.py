@@ -106,7 +106,6 @@ SIZES = dict(
 
 # Families whose defaults need more than SIZES (model_type -> config kwargs).
 OVERRIDES: dict[str, dict] = {
-    "gpt_neox": dict(intermediate_size=256),  # mlx-lm's GPT-NeoX has the fixed 4x MLP
     # a full-attention layer after five sliding ones, as the published models have
     "gemma3_text": dict(num_hidden_layers=6),
     "gemma3": dict(text_config=dict(num_hidden_layers=6)),
@@ -236,13 +235,14 @@ def _shrink(config_cls, overrides: dict) -> dict:
     return kwargs
 
 
-def tiny_config(family: str):
-    """transformers config of `family` (or of a VARIANTS entry): class defaults, tiny sizes."""
+def tiny_config(family: str, **edits):
+    """transformers config of `family` (or of a VARIANTS entry): class defaults, tiny sizes,
+    then `edits`."""
     from transformers import CONFIG_MAPPING
 
     family, extra = VARIANTS.get(family, (family, {}))
     config_cls = CONFIG_MAPPING[EXTRA.get(family, family)]
-    config = config_cls(**_shrink(config_cls, {**OVERRIDES.get(family, {}), **extra}))
+    config = config_cls(**_shrink(config_cls, {**OVERRIDES.get(family, {}), **extra, **edits}))
     for dotted, value in ATTRIBUTES.get(family, {}).items():
         *path, name = dotted.split(".")
         target = config
@@ -275,11 +275,12 @@ def _quiet():
         hf_logging.set_verbosity(level)
 
 
-def write_checkpoint(family: str, path: Path, seed: int = 0):
-    """(path, torch model): the tiny random `family` checkpoint saved sharded at `path`."""
+def write_checkpoint(family: str, path: Path, seed: int = 0, **edits):
+    """(path, torch model): the tiny random `family` checkpoint (its config with `edits`) saved
+    sharded at `path`."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family)
+    config = tiny_config(family, **edits)
     torch.manual_seed(seed)
     with _quiet():
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")

@@ -241,6 +241,38 @@ def test_nemotron_h_clamps_the_step_to_the_configured_limit(tmp_path):
     _edited_config_matches(tmp_path, "nemotron_h", time_step_limit=[0.05, 0.2])
 
 
+def test_gpt_neox_mlp_width_comes_from_the_config(tmp_path):
+    """GPT-NeoX checkpoints whose MLP is not four times the hidden size (mlx-lm's fixed width)
+    convert to the width the config gives, computing what transformers computes."""
+    from convert import convert_checkpoint
+
+    source, reference = cm.write_checkpoint("gpt_neox", tmp_path / "hf", intermediate_size=96)
+    with cm._quiet():
+        dest = convert_checkpoint(str(source), str(tmp_path / "mlx"), dtype="float32").path
+        model, _ = mlx_spec.load(str(dest))
+    ids = cm.token_ids()
+    with torch.no_grad():
+        want = hfm.hf_logits(reference, ids)
+    max_diff, first = cm.compare(cm.mlx_logits(model, ids), want)
+    assert max_diff <= cm.ATOL and first is None, (max_diff, first)
+
+
+@pytest.mark.parametrize("family", ["exaone4", "olmo3"])
+def test_all_sliding_layers_are_refused_with_the_reason(tmp_path, family):
+    """A checkpoint whose every layer has a sliding window (two layers of a period of four):
+    mlx-lm's model needs a full-attention layer too; the refusal says so (not a Python
+    exception's text)."""
+    from convert import ConversionError, convert_checkpoint
+
+    types = ["sliding_attention", "sliding_attention"]
+    source, _ = cm.write_checkpoint(
+        family, tmp_path / "hf", sliding_window=4, num_hidden_layers=2, layer_types=types
+    )
+    with pytest.raises(ConversionError, match="every layer is sliding-window attention"):
+        convert_checkpoint(str(source), str(tmp_path / "mlx"))
+    assert not (tmp_path / "mlx").exists()
+
+
 def test_reference_window_is_read_from_the_model():
     """Whether transformers applies a window follows its modeling code, not its config class."""
     from convert.normalize import _reference_reads_window

@@ -15,6 +15,7 @@ reference, applied to mlx-lm's classes without forking their files.
   cache gets fresh windowed caches so that its mask is windowed too.
 - minicpm3: hidden states divided by hidden_size / dim_model_base before the LM head also when
   the embeddings are tied (mlx-lm divides only with a separate LM head; transformers always).
+- gpt_neox: the MLP width `intermediate_size` (mlx-lm's is always four times the hidden size).
 - gpt_neox, gemma, starcoder2, gpt_bigcode: the MLP activation named by the config
   (`hidden_act`, `activation_function`); mlx-lm hard-codes one (tanh-approximate GELU for
   GPT-NeoX, whose checkpoints use the exact one; exact GELU for GPT-BigCode, whose use the
@@ -52,7 +53,7 @@ import mlx.nn as nn
 
 FIXED = {
     "gemma2": "sliding-window attention on the sliding layers; per-row masks with grouped heads",
-    "gpt_neox": "the configured MLP activation",
+    "gpt_neox": "the configured MLP activation and width",
     "gemma": "the configured MLP activation",
     "starcoder2": "the configured MLP activation; a sliding window on every layer",
     "mistral": "a sliding window on every layer",
@@ -109,6 +110,7 @@ def install() -> None:
     for module, inner in sorted(set(UNIFORM_WINDOW.values())):
         _fix_uniform_window(module, inner)
     _fix_activation("gpt_neox", lambda m, x, act: m.dense_4h_to_h(act(m.dense_h_to_4h(x))))
+    _fix_gpt_neox_width()
     # Gemma's published configs say "gelu" and mean the tanh approximation (transformers
     # rewrites it so); mlx-lm's Gemma computes the exact GELU.
     _fix_activation(
@@ -170,6 +172,22 @@ def _fix_activation(family: str, call, legacy: dict[str, str] | None = None) -> 
 
     module.Model.__init__ = __init__
     module.MLP.__call__ = __call__
+
+
+def _fix_gpt_neox_width() -> None:
+    from mlx_lm.models import gpt_neox
+
+    _extend_args(gpt_neox, intermediate_size=int)
+    mlp_init = gpt_neox.MLP.__init__
+
+    def __init__(self, args, *a, **k):
+        mlp_init(self, args, *a, **k)
+        width = getattr(args, "intermediate_size", None)
+        if width and width != 4 * args.hidden_size:
+            self.dense_h_to_4h = nn.Linear(args.hidden_size, width)
+            self.dense_4h_to_h = nn.Linear(width, args.hidden_size)
+
+    gpt_neox.MLP.__init__ = __init__
 
 
 # ------------------------------------------------------------------------------------ gemma2
