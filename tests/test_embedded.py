@@ -93,62 +93,6 @@ def test_cli_without_model_flags(pair):
     assert sum(stats["k_histogram"].values()) == stats["target_passes"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_serve_without_model_flags(pair):
-    """`mlx-spec serve` alone serves the pair offline, drafting with all three of its drafters
-    (chosen between every round) unless a request says otherwise; greedy text is lossless."""
-    import time
-
-    import httpx
-
-    port = _free_port()
-    env = {**os.environ, "MLX_SPEC_CACHE": str(pair[0].parent), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_spec.cli", "serve", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
-        body = {"model": "mlx-spec-demo", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
-        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-        model, tok = mlx_spec.load(str(pair[0]))
-        assert (
-            reply["choices"][0]["text"] == mlx_spec.generate(model, tok, PROMPT, max_tokens=24).text
-        )
-        spec = reply["usage"]["speculative"]
-        assert spec["drafter"] == "ngram+draft-model+mtp" and spec["num_draft"] == "auto"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def test_chat_without_model_flags(pair):
-    """`mlx-spec chat` alone chats with the pair and its three drafters."""
-    env = {**os.environ, "MLX_SPEC_CACHE": str(pair[0].parent), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "chat", "--max-tokens", "16"],
-        input="def f():\n/stats\n/quit\n", capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "drafter ngram+draft-model+mtp k=auto" in proc.stdout + proc.stderr
-
-
 def test_retrained_weights_of_the_same_shapes_are_converted_again(tmp_path):
     """The conversion cache is keyed by the files' bytes, not their sizes: a drafter trained
     further (same shapes) must not be served from the old conversion."""
