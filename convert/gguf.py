@@ -32,6 +32,7 @@ KEPT = ("Q4_0", "Q4_1", "Q8_0")  # kept quantized
 FLOATS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 ARCHITECTURES = ("llama", "mistral3", "qwen2", "qwen3")  # GGUF architecture names taken
 PERMUTED = ("llama", "mistral3")  # query/key rows stored in llama.cpp's rotary order
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # llama.cpp tensor name (blk.N. stripped) -> Hugging Face name (model.layers.N. stripped)
 LAYER_NAMES = {
@@ -156,13 +157,14 @@ def gguf_config(file: GGUFFile) -> dict:
             f"{file.path.name}: a mixture-of-experts {arch} ({_meta(file, 'expert_count')} "
             "experts) is not converted from GGUF"
         )
-    config: dict = {"model_type": {"mistral3": "llama"}.get(arch, arch)}
+    model_type = {"mistral3": "llama"}.get(arch, arch)
+    config: dict = {"model_type": model_type, "architectures": [HF_CLASSES[model_type]]}
     for key, name in CONFIG_KEYS.items():
         value = _meta(file, key)
         if isinstance(value, list):
             raise ConversionError(f"{file.path.name}: {arch}.{key} varies by layer: not converted")
         if value is not None:
-            config[name] = value.item() if hasattr(value, "item") else value
+            config[name] = _plain(value)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in config:
             raise ConversionError(f"{file.path.name}: metadata has no {key} ({arch}.*)")
@@ -187,6 +189,14 @@ def gguf_config(file: GGUFFile) -> dict:
         if value is not None:
             config[key] = int(value)
     return config
+
+
+def _plain(value):
+    """A metadata number as Python's: float32 values by their shortest spelling (1e-05, not
+    9.999999747378752e-06)."""
+    if isinstance(value, (np.floating, float)):
+        return float(str(np.float32(value)))
+    return value.item() if hasattr(value, "item") else value
 
 
 def _rope_scaling(file: GGUFFile) -> dict | None:

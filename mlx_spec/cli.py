@@ -313,18 +313,31 @@ def cmd_info(args) -> int:
 def _add_convert(sub) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert a Hugging Face checkpoint into an MLX model directory",
-        description="Convert a Hugging Face checkpoint (hub id or local directory) into an MLX "
-        "directory that mlx_spec.load and mlx_lm.load open. MTP layers that mlx-lm drops are "
+        help="convert a Hugging Face checkpoint or a GGUF file into an MLX model directory",
+        description="Convert a Hugging Face checkpoint (hub id or local directory) or a GGUF "
+        "file (local, or --gguf FILE of a hub repo) into an MLX "
+        "directory that mlx_spec.load and mlx_lm.load open. GGUF: Q4_0, Q4_1 and Q8_0 "
+        "tensors stay quantized (exactly), other quantized types are dequantized to float16, "
+        "--dtype turns every tensor into that float type. MTP layers that mlx-lm drops are "
         "written beside the target as a drafter directory (<mlx-path>/mtp). Output is written "
         "to a temporary directory and renamed only when complete.",
     )
-    p.add_argument("--hf-path", required=True, help="hub id (org/name) or local directory")
+    p.add_argument(
+        "--hf-path",
+        required=True,
+        help="hub id (org/name), local directory, or local .gguf file (llama.cpp's format)",
+    )
+    p.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="convert this GGUF file of the hub repo (or local directory) --hf-path",
+    )
     p.add_argument("--mlx-path", required=True, help="output directory")
     p.add_argument(
         "--dtype",
         choices=("float16", "bfloat16", "float32"),
-        help="weight dtype (default: the checkpoint's)",
+        help="weight dtype (default: the checkpoint's; GGUF: every tensor, quantized ones "
+        "included, dequantized to it)",
     )
     p.add_argument("-q", "--quantize", action="store_true", help="quantize linear weights")
     p.add_argument("--q-bits", type=int, default=4, help="bits per weight (default 4)")
@@ -345,6 +358,7 @@ def cmd_convert(args) -> int:
         quantization=quant,
         force=args.force,
         revision=args.revision,
+        gguf_file=args.gguf,
     )
     print(f"wrote {result.path}")
     if result.mtp_path is not None:

@@ -96,6 +96,7 @@ def student_config(target_config: dict, config: DistillConfig) -> dict:
     heads = max(1, config.hidden_size // 64)
     return {
         "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
         "hidden_size": config.hidden_size,
         "num_hidden_layers": config.num_layers,
         "intermediate_size": 4 * config.hidden_size,

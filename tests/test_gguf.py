@@ -241,3 +241,25 @@ def test_shape_that_contradicts_the_metadata_is_refused(tmp_path):
     source = gm.write_gguf(tmp_path / "model.gguf", layers=1, metadata=meta)
     with pytest.raises(ConversionError, match="mlp.gate_proj.weight has shape"):
         convert_checkpoint(str(source), str(tmp_path / "mlx"))
+
+
+def test_cli_converts_a_gguf_file_of_a_folder(tmp_path):
+    """`--hf-path DIR --gguf FILE` (a hub repo is fetched the same way, then read locally)."""
+    from mlx_spec.cli import main
+
+    gm.write_gguf(tmp_path / "model.gguf", kind="Q8_0", layers=1)
+    assert main(["convert", "--hf-path", str(tmp_path), "--gguf", "model.gguf",
+                 "--mlx-path", str(tmp_path / "mlx")]) == 0  # fmt: skip
+    assert (
+        json.loads((tmp_path / "mlx" / "conversion.json").read_text())["gguf"]["file"]
+        == "model.gguf"
+    )
+    assert main(["convert", "--hf-path", str(tmp_path), "--gguf", "absent.gguf",
+                 "--mlx-path", str(tmp_path / "other")]) == 2  # fmt: skip
+
+
+def test_a_hub_gguf_offline_and_not_cached_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ConversionError, match="org/repo/model.gguf: cannot fetch.*HF_HUB_OFFLINE"):
+        convert_checkpoint("org/repo", str(tmp_path / "mlx"), gguf_file="model.gguf")
