@@ -430,6 +430,20 @@ def _add_distill(sub) -> None:
         "text (a smaller, faster output head; default: the whole vocabulary)",
     )
     p.add_argument(
+        "--teacher-cache",
+        metavar="DIR",
+        help="keep the target's answers (top tokens, features) here, to share between "
+        "drafters trained on the same text and settings (default: inside --out, removed "
+        "when done)",
+    )
+    p.add_argument(
+        "--teacher-layers",
+        default="",
+        metavar="I,J",
+        help="with --teacher-cache: also keep these target layers' features (Hugging Face "
+        "hidden_states ids, the last: the final state), for a drafter trained next",
+    )
+    p.add_argument(
         "--generate-tokens",
         type=int,
         default=50_000,
@@ -525,6 +539,8 @@ def cmd_distill(args) -> int:
         force=args.force,
         chat=chat,
         draft_vocab=args.draft_vocab,
+        teacher_cache=args.teacher_cache,
+        teacher_layers=tuple(int(i) for i in args.teacher_layers.split(",") if i.strip()),
     )
     before, after = report["before"] or {}, report["after"]
     for key in after:

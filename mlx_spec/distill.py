@@ -32,7 +32,7 @@ from mlx_spec.drafters.medusa import (
     save_medusa_heads,
 )
 from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
-from mlx_spec.hidden import find_head, tap_hidden, tap_layers
+from mlx_spec.hidden import find_head
 from mlx_spec.models.dflash import dflash_for, save_dflash, train_logits, training_anchors
 from mlx_spec.models.eagle3 import eagle3_for, save_eagle3
 from mlx_spec.models.mtp import MTPModule, target_layers
@@ -206,11 +206,14 @@ class Distiller:
 
     def __init__(self, target: nn.Module, student: nn.Module, config: DistillConfig):
         self.target, self.student, self.config = target, student, config
-        self.tap = tap_hidden(target) if config.kind in ("mtp", "medusa") else None
-        if config.kind == "eagle3":  # the features of the layers the head reads
-            self.tap = tap_layers(target, student.cfg.layer_ids)
-        if config.kind == "dflash":
-            self.tap = tap_layers(target, student.hidden_layers)
+        # the target layers whose features the student reads (L: the final normed state)
+        self.layers: tuple[int, ...] = ()
+        if config.kind in ("mtp", "medusa"):
+            self.layers = (len(target_layers(target)),)
+        elif config.kind == "eagle3":
+            self.layers = tuple(student.cfg.layer_ids)
+        elif config.kind == "dflash":
+            self.layers = tuple(student.hidden_layers)
         ids = getattr(student, "target_ids", None) if config.kind == "eagle3" else None
         self.t2d = None  # target id -> draft index, for a head over a reduced vocabulary
         if ids is not None:
@@ -228,14 +231,6 @@ class Distiller:
         )
         self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
         self._grad = nn.value_and_grad(student, self._loss)
-
-    @property
-    def features(self) -> str | None:
-        """What the student reads of the target besides its answers (None: nothing)."""
-        if self.tap is None:
-            return None
-        ids = getattr(self.tap, "ids", None)
-        return "final" if ids is None else "layers " + " ".join(map(str, ids))
 
     def _kl(self, teacher: TopK, logits: mx.array) -> mx.array:
         return kl_to_teacher(teacher, logits, self.t2d)
@@ -548,19 +543,18 @@ TEACHER_CACHE = ".distill-teacher"
 HELDOUT_WINDOWS = 4  # held-out batches the KL is measured on
 
 
-def _teachers(distiller: Distiller, target, tokenizer, data, heldout, out_dir: Path):
-    """The teacher caches of the training windows (at most as many as the steps will read) and
-    of the held-out windows."""
+def _teachers(distiller: Distiller, target, tokenizer, data, heldout, folder: Path):
+    """The teacher caches (in `folder`) of the training windows (at most as many as the steps
+    will read) and of the held-out windows."""
     config = distiller.config
     vocab = scored_vocab(target, tokenizer)
     seq = config.seq_len
     train = windows_of(data.tokens, seq, most=config.steps * config.batch_size)
     held = windows_of(heldout.tokens, min(seq, heldout.tokens.size))
     held = held[: HELDOUT_WINDOWS * config.batch_size]
-    folder = out_dir / TEACHER_CACHE
     return (
-        TeacherCache(folder / "train", train, distiller.features, vocab),
-        TeacherCache(folder / "heldout", held, distiller.features, vocab),
+        TeacherCache(folder / "train", train, distiller.layers, vocab),
+        TeacherCache(folder / "heldout", held, distiller.layers, vocab),
     )
 
 
@@ -579,6 +573,8 @@ def run_distill(
     force: bool = False,
     chat: ChatData | None = None,
     draft_vocab: int | None = None,
+    teacher_cache: str | None = None,
+    teacher_layers: tuple[int, ...] = (),
 ) -> dict:
     """Distill a drafter for the target at `target_dir` into `out`; returns the report.
 
@@ -593,6 +589,11 @@ def run_distill(
         chat: train on the target's answers to chat prompts instead.
         draft_vocab: EAGLE-3 only: the head's output vocabulary, the most frequent target
             tokens of the training text (None: the whole vocabulary).
+        teacher_cache: where the teacher's answers are kept (default: inside `out`, removed
+            at the end); a folder shared by drafters trained on the same text and settings
+            is computed once.
+        teacher_layers: also keep these target layers' features in it (Hugging Face
+            `hidden_states` ids; L: the final state), for another drafter that will read them.
     """
     from mlx_spec.api import load
 
@@ -624,9 +625,10 @@ def run_distill(
         counts=counts, draft_vocab=draft_vocab,
     )  # fmt: skip
     distiller = Distiller(target, student, config)
-    teacher, heldout_teacher = _teachers(distiller, target, tokenizer, data, heldout, out_dir)
-    teacher.fill(target, distiller.tap, progress)
-    heldout_teacher.fill(target, distiller.tap, progress)
+    folder = Path(teacher_cache) if teacher_cache else out_dir / TEACHER_CACHE
+    teacher, heldout_teacher = _teachers(distiller, target, tokenizer, data, heldout, folder)
+    teacher.fill(target, progress, also=teacher_layers)
+    heldout_teacher.fill(target, progress, also=teacher_layers)
     tic = time.perf_counter()
     before_file = out_dir / BEFORE
     if checkpoint.exists():  # resumed: the first run measured the untrained drafter
@@ -652,7 +654,8 @@ def run_distill(
     }
     write_drafter(out_dir, distiller, student_cfg, Path(target_dir), report)
     shutil.rmtree(checkpoint, ignore_errors=True)
-    shutil.rmtree(out_dir / TEACHER_CACHE, ignore_errors=True)
+    if not teacher_cache:
+        shutil.rmtree(out_dir / TEACHER_CACHE, ignore_errors=True)
     (out_dir / DATA_CACHE).unlink(missing_ok=True)
     before_file.unlink(missing_ok=True)
     return report

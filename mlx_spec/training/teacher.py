@@ -67,45 +67,64 @@ def _digest(windows: np.ndarray, spec: dict) -> str:
 
 
 class TeacherCache:
-    """The teacher's answers for `windows` (`[W, S]` token ids), in `folder`.
+    """The teacher's answers for `windows` (`[W, S]` token ids), in `folder`: its top K at
+    every position and the features of `layers` (Hugging Face `hidden_states` ids; L is the
+    final normed state). Several drafters trained on the same windows can share a folder: a
+    run that needs layers the folder lacks computes it again with all of them.
 
     Args:
         folder: where the chunks live (cleared if they were made for other windows).
         windows: the token windows the teacher reads (each is its own context).
-        features: a name for the features `tap` gives (None: no features).
+        layers: the layers whose features are kept (empty: none).
         vocab: logits are cut to the tokenizer's vocabulary (padded rows never count).
     """
 
-    def __init__(self, folder: Path, windows: np.ndarray, features: str | None, vocab: int):
+    def __init__(self, folder: Path, windows: np.ndarray, layers: tuple[int, ...], vocab: int):
         self.folder, self.windows, self.vocab = Path(folder), windows, vocab
-        self.features = features
-        self.key = _digest(windows, {"features": features, "vocab": vocab, "top_k": TOP_K})
-        self.ids = self.logprobs = self.hidden = None
+        self.layers = tuple(layers)
+        self.key = _digest(windows, {"vocab": vocab, "top_k": TOP_K})
+        self.ids = self.logprobs = None
+        self.hidden: dict[int, np.ndarray] = {}
 
     def _chunk(self, index: int) -> Path:
         return self.folder / f"chunk-{index:05d}.npz"
 
-    def fill(self, target, tap, progress: bool = True) -> None:
-        """Compute the chunks not on disk yet (a progress bar shows them), then load them all."""
+    def _kept(self) -> tuple[int, ...] | None:
+        """The layers the folder's chunks keep, if they were made for these windows."""
+        meta = self.folder / "teacher.json"
+        if not meta.is_file():
+            return None
+        saved = json.loads(meta.read_text())
+        return tuple(saved["layers"]) if saved.get("key") == self.key else None
+
+    def fill(self, target, progress: bool = True, also: tuple[int, ...] = ()) -> None:
+        """Compute the chunks not on disk yet (a progress bar shows them), keeping the features
+        of `also` too (for another drafter that will share the folder), then load them."""
+        from mlx_spec.hidden import tap_layers
+
         from tqdm import tqdm
 
-        meta = self.folder / "teacher.json"
-        if not meta.is_file() or json.loads(meta.read_text()).get("key") != self.key:
+        kept = self._kept()
+        wanted = set(self.layers) | set(also)
+        if kept is None or not wanted <= set(kept):
+            layers = tuple(sorted(wanted | set(kept or ())))
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir(parents=True)
-            meta.write_text(json.dumps({"key": self.key, "windows": len(self.windows)}))
+            meta = {"key": self.key, "layers": list(layers), "windows": len(self.windows)}
+            (self.folder / "teacher.json").write_text(json.dumps(meta))
+            kept = layers
+        tap = tap_layers(target, kept) if kept else None
         chunks = range(-(-len(self.windows) // CHUNK))
         missing = [c for c in chunks if not self._chunk(c).is_file()]
         for c in tqdm(missing, desc="teacher", unit="chunk", disable=not progress or not missing,
                       file=sys.stderr):  # fmt: skip
-            self._compute(c, target, tap)
+            self._compute(c, target, tap, kept)
         parts = [np.load(self._chunk(c)) for c in chunks]
         self.ids = np.concatenate([p["ids"] for p in parts])
         self.logprobs = np.concatenate([p["logprobs"] for p in parts])
-        if self.features is not None:
-            self.hidden = np.concatenate([p["hidden"] for p in parts])
+        self.hidden = {i: np.concatenate([p[f"layer_{i}"] for p in parts]) for i in self.layers}
 
-    def _compute(self, c: int, target, tap) -> None:
+    def _compute(self, c: int, target, tap, layers: tuple[int, ...]) -> None:
         tokens = mx.array(self.windows[c * CHUNK : (c + 1) * CHUNK])
         logits = target(tokens)[..., : self.vocab].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -115,21 +134,28 @@ class TeacherCache:
             "ids": ids.astype(mx.int32),
             "logprobs": mx.take_along_axis(logprobs, ids, axis=-1).astype(mx.float16),
         }
-        if self.features is not None:
-            arrays["hidden"] = tap.hidden.astype(mx.float16)
+        if layers:
+            width = tap.hidden.shape[-1] // len(layers)
+            for n, i in enumerate(layers):
+                arrays[f"layer_{i}"] = tap.hidden[..., n * width : (n + 1) * width]
+        arrays = {name: value.astype(mx.float16) if name.startswith("layer_") else value
+                  for name, value in arrays.items()}  # fmt: skip
         mx.eval(arrays)
         tmp = self._chunk(c).with_suffix(".partial.npz")
         np.savez(tmp, **{name: np.array(value) for name, value in arrays.items()})
         tmp.rename(self._chunk(c))
 
     def batch(self, indices: np.ndarray) -> tuple[mx.array, TopK, mx.array | None]:
-        """(tokens `[B, S]`, the teacher's top K `[B, S, K]`, features `[B, S, F]` or None)
-        of the windows at `indices`."""
+        """(tokens `[B, S]`, the teacher's top K `[B, S, K]`, the layers' features concatenated
+        in the order asked `[B, S, F]` or None) of the windows at `indices`."""
         tokens = mx.array(self.windows[indices])
         teacher = TopK(
             mx.array(self.ids[indices]), mx.array(self.logprobs[indices]).astype(mx.float32)
         )
-        hidden = None if self.hidden is None else mx.array(self.hidden[indices]).astype(mx.float32)
+        if not self.layers:
+            return tokens, teacher, None
+        parts = [self.hidden[i][indices] for i in self.layers]
+        hidden = mx.array(np.concatenate(parts, axis=-1)).astype(mx.float32)
         return tokens, teacher, hidden
 
 
