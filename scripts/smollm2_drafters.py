@@ -8,9 +8,10 @@ Stages (each resumable; in order, or `all`):
   prompts   questions, stories, code tasks and requests for a passage; then edit prompts that
             ask to rewrite the passages the model wrote (so the edit prompts quote its own text)
   answers   the model's answers to all of them, greedy and at T = 0.7 (one file, shared)
-  draft     a small draft model (llama layout, the model's tokenizer)
-  eagle3    an EAGLE-3 head over the model's most frequent tokens
+  eagle3    an EAGLE-3 head over the model's 8192 most frequent tokens
   mtp       an MTP head (MiMo layout: one decoder layer over [embedding, hidden state])
+  draft     a small draft model (llama layout, the model's tokenizer)
+            (the three share one pass of the target over the text: `--teacher-cache`)
   ship      each drafter cast to float16 into `mlx_spec/trained/smollm2/<kind>/`
 
     python scripts/smollm2_drafters.py all --work /tmp/smollm2-drafters
@@ -34,11 +35,13 @@ TOPICS = ROOT / "scripts" / "prompts" / "train_topics.json"
 SHIP = ROOT / "mlx_spec" / "trained" / "smollm2"
 MODEL = "smollm2"
 
-# (kind, extra distill flags)
+# kind -> distill flags; the EAGLE-3 head runs first and keeps the final state's features
+# (hidden_states[30]) in the shared teacher folder for the MTP head, so the target reads the
+# text once for all three
 DRAFTERS = {
-    "draft": ["--kind", "draft-model", "--hidden-size", "256", "--layers", "4"],
-    "eagle3": ["--kind", "eagle3", "--draft-vocab", "8192"],
+    "eagle3": ["--kind", "eagle3", "--draft-vocab", "8192", "--teacher-layers", "30"],
     "mtp": ["--kind", "mtp", "--mtp-family", "mimo"],
+    "draft": ["--kind", "draft-model", "--hidden-size", "256", "--layers", "4"],
 }
 
 
@@ -100,6 +103,7 @@ def distill(work: Path, args, extra: list[str], out: Path, prompts: Path, answer
         sys.executable, "-m", "mlx_spec.cli", "distill", "--model", MODEL, "--out", str(out),
         "--prompts", str(prompts), "--answers", str(answers),
         "--answer-tokens", str(args.answer_tokens), "--steps", str(args.steps),
+        "--teacher-cache", str(work / "teacher"),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
         "--lr", str(args.lr), *extra,
     ]  # fmt: skip
@@ -170,7 +174,7 @@ def stage_ship(work: Path, args) -> None:
         log(f"{kind}: shipped to {dest}")
 
 
-STAGES = ["prompts", "answers", "draft", "eagle3", "mtp", "ship"]
+STAGES = ["prompts", "answers", "eagle3", "mtp", "draft", "ship"]
 
 
 def main() -> None:
@@ -182,8 +186,8 @@ def main() -> None:
     parser.add_argument("--stories", type=int, default=250)
     parser.add_argument("--passages", type=int, default=300)
     parser.add_argument("--answer-tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
