@@ -529,7 +529,17 @@ def _print_conversation(label: str, conversation: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="target MLX directory (default: the embedded demo pair)")
+    p.add_argument(
+        "--model",
+        help="target MLX directory or a known model's short name, e.g. smollm2 (its drafters "
+        "beside it: MODEL/draft, MODEL/mtp, MODEL/eagle3; default: the embedded demo pair)",
+    )
+    p.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help='chat prompts (JSON lines with "prompt", e.g. benchmarks/prompts/chat.jsonl), sent '
+        "through the model's chat template (default: openings of held-out code)",
+    )
     p.add_argument("--random", action="store_true", help="a random llama pair built here instead")
     p.add_argument("--draft-model", help="draft model for the 'draft-model' mode")
     p.add_argument("--mtp", help="MTP drafter directory (default: MODEL/mtp when it exists)")
@@ -608,6 +618,11 @@ def main(argv: list[str] | None = None) -> int:
 
     built = args.model is None and args.random
     texts = PROMPTS
+    if args.model is not None:
+        args.model = _known_model(args.model)
+        draft = Path(args.model) / "draft"
+        if args.draft_model is None and (draft / "config.json").is_file():
+            args.draft_model = str(draft)
     if args.model is None and not built:
         from mlx_spec.embedded import converted_pair, stdlib_files
 
@@ -622,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
             target_dir, draft_dir = build_models(Path(tmp))
             args.model, args.draft_model = str(target_dir), args.draft_model or str(draft_dir)
         tokenizer = load_tokenizer(Path(args.model))
+        if args.prompts:
+            PROMPTS[:] = chat_prompts(tokenizer, Path(args.prompts))
+            texts = PROMPTS
         turns = conversation_turns(tokenizer, texts, args.turns, args.turn_tokens)
         body = {
             "model": "bench", "max_tokens": args.max_tokens, "temperature": 0,
@@ -662,6 +680,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=2))
     return 1 if any(r.get("errors") for r in rows) else 0
+
+
+def _known_model(name: str) -> str:
+    """A short name of a known model (smollm2): its converted folder; anything else as is."""
+    from mlx_spec import catalog
+
+    known = catalog.known(name)
+    return name if known is None else str(catalog.model_dir(known))
+
+
+def chat_prompts(tokenizer, path: Path) -> list[str]:
+    """Chat prompts (JSON lines with "prompt") as the text of a one-turn conversation through
+    the model's chat template: both servers get the same text on /v1/completions."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        for row in rows
+    ]
 
 
 def _versus(rows: list[dict]) -> str:
