@@ -320,7 +320,7 @@ class BatchEngine:
             is `behind`, and no step is chosen that would be expected to slow it further
             until its tokens at plain pace make up the difference (None, the default: no
             ledger; on a 2-core x86 a slack of 0.02 held the rows near plain pace at the
-            cost of most of what speculation gained the batch: the README's measurements).
+            cost of most of what speculation gained the batch: docs/serving.md).
     """
 
     def __init__(

@@ -183,3 +183,104 @@ def versus_mlx_lm(report: BenchReport, ax=None):
     ax.set_title("Against mlx-lm's speculative decoding (same draft model)")
     ax.legend(fontsize=8)
     return ax
+
+
+# ------------------------------------------------ benchmarks/real_model.py (a real chat model)
+
+
+def load_record(path) -> dict:
+    """A results file of `benchmarks/real_model.py`."""
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(path).read_text())
+
+
+def _rows(record: dict, temperature: float) -> dict[str, dict]:
+    """engine/mode -> summary entry at `temperature`."""
+    suffix = f"/T={float(temperature)}"
+    return {k[: -len(suffix)]: v for k, v in record["summary"].items() if k.endswith(suffix)}
+
+
+def real_model_table(record: dict) -> None:
+    """Display every engine and mode: decode tokens/s, speedup over the engine's own plain
+    decoding (geometric mean over the prompts, by kind), the lowest prompt, greedy outputs
+    equal to plain decoding's."""
+    from IPython.display import Markdown, display
+
+    kinds = sorted({p["kind"] for p in record["prompts"]})
+    lines = [
+        "| engine / mode | T | tok/s | speedup | " + " | ".join(kinds) + " | lowest | = plain |"
+    ]
+    lines.append("|" + " --- |" * (6 + len(kinds)))
+    for temperature in sorted({float(k.rsplit("=", 1)[1]) for k in record["summary"]}):
+        for name, e in sorted(_rows(record, temperature).items()):
+            kind = " | ".join(_num(e["speedup_by_kind"].get(k)) for k in kinds)
+            same = (
+                f"{e['greedy_same_prompts']}/{len(e['greedy_same'])}" if "greedy_same" in e else "-"
+            )
+            lines.append(
+                f"| {name} | {temperature:g} | {e['tps_mean']:.1f} | {_num(e['speedup_geomean'])} "
+                f"| {kind} | {_num(e['speedup_min'])} | {same} |"
+            )
+    display(Markdown("\n".join(lines)))
+
+
+def _num(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def speedup_by_kind(record: dict, temperature: float = 0.0, engine: str = "mlx-spec", ax=None):
+    """Grouped bars: each mode's speedup over plain decoding by prompt kind (geometric means)."""
+    ax = _axes(ax, (9, 4))
+    rows = {k.split("/", 1)[1]: v for k, v in _rows(record, temperature).items()
+            if k.startswith(engine + "/") and not k.endswith("/plain")}  # fmt: skip
+    kinds = sorted({p["kind"] for p in record["prompts"]})
+    width = 0.8 / max(1, len(rows))
+    for i, (mode, e) in enumerate(sorted(rows.items())):
+        xs = [j + i * width for j in range(len(kinds))]
+        color = MODE_COLORS.get({"draft": "draft-model", "auto": ALL}.get(mode, mode))
+        values = [e["speedup_by_kind"].get(k) or 0 for k in kinds]
+        ax.bar(xs, values, width, label=mode, color=color)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"{engine}, T = {temperature:g}")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def acceptance_by_position_real(record: dict, temperature: float = 0.0, ax=None):
+    """Acceptance at each draft position per drafter: rounds that kept draft i among those
+    that drafted it."""
+    ax = _axes(ax)
+    for name, e in sorted(_rows(record, temperature).items()):
+        values = [v for v in e.get("acceptance_by_position") or [] if v is not None]
+        if values:
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=name.split("/", 1)[1])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def prompt_speedups(record: dict, temperature: float = 0.0, mode: str = "mlx-spec/auto", ax=None):
+    """Every prompt's speedup of `mode` over its engine's plain decoding, sorted, coloured by
+    prompt kind: whether any prompt got slower."""
+    ax = _axes(ax, (9, 3))
+    entry = _rows(record, temperature)[mode]
+    kind = {p["id"]: p["kind"] for p in record["prompts"]}
+    ordered = sorted(entry["speedups"].items(), key=lambda item: item[1])
+    colors = {k: f"C{i}" for i, k in enumerate(sorted(set(kind.values())))}
+    ax.bar(
+        range(len(ordered)), [v for _, v in ordered], color=[colors[kind[p]] for p, _ in ordered]
+    )
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([])
+    ax.set_ylabel("speedup")
+    ax.set_title(f"{mode}, T = {temperature:g}: each prompt")
+    for k, c in colors.items():
+        ax.bar([], [], color=c, label=k)
+    ax.legend(fontsize=8)
+    return ax
