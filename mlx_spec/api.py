@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 import warnings
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_spec import distributed, weight_layout
+from mlx_spec import _blas, distributed, weight_layout
 from mlx_spec.compat import scored_vocab
 from mlx_spec.decode import Round, plain_rounds, speculative_rounds
 from mlx_spec.drafters import dflash as dflash_drafter
@@ -25,7 +26,14 @@ from mlx_spec.drafters.lookahead import LookaheadDrafter
 from mlx_spec.drafters.medusa import MedusaDrafter, load_medusa_heads
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.models.mtp import target_hidden_size
-from mlx_spec.policy import AdaptiveDraftLength, DraftPolicy, FixedDraftLength, memory_of
+from mlx_spec.policy import (
+    MEMORY_ENV,
+    AdaptiveDraftLength,
+    DraftPolicy,
+    FixedDraftLength,
+    PolicyFile,
+    memory_of,
+)
 from mlx_spec.runner import ModelRunner
 from mlx_spec.sampling import SamplingConfig
 from mlx_spec.stats import SpecStats
@@ -193,7 +201,7 @@ def load_mtp_drafter(path: str, model: nn.Module) -> Drafter:
         path: the drafter directory, or the converted target directory holding it in `mtp/`.
         model: the target, loaded.
     """
-    return mtp_drafter.load_mtp_drafter(path, distributed.whole(model))
+    return _from_folder(mtp_drafter.load_mtp_drafter(path, distributed.whole(model)), path)
 
 
 def load_medusa_drafter(
@@ -232,14 +240,14 @@ def load_eagle3_drafter(path: str, model: nn.Module) -> Drafter:
     """Load an EAGLE-3 head for `model`: the EAGLE repository's layout, the speculators
     format, or one converted by `mlx-spec convert` (a directory, or a converted target
     holding it in `eagle3/`). Its target layers, hidden size and vocabulary are checked."""
-    return eagle3_drafter.load_eagle3_drafter(path, distributed.whole(model))
+    return _from_folder(eagle3_drafter.load_eagle3_drafter(path, distributed.whole(model)), path)
 
 
 def load_dflash_drafter(path: str, model: nn.Module) -> Drafter:
     """Load a DFlash block drafter for `model`: z-lab's layout, the speculators format, or
     one converted by `mlx-spec convert` (a directory, or a converted target holding it in
     `dflash/`). Its tapped layers, width and mask token are checked against the target."""
-    return dflash_drafter.load_dflash_drafter(path, distributed.whole(model))
+    return _from_folder(dflash_drafter.load_dflash_drafter(path, distributed.whole(model)), path)
 
 
 def load_branching_mtp(
@@ -265,7 +273,14 @@ def load_eagle3_tree(
 def load_drafter(path_or_hub_id: str, *, revision: str | None = None) -> Drafter:
     """Load a small draft model (same tokenizer as the target) as a drafter for `drafter=`."""
     model, tokenizer = load(path_or_hub_id, revision=revision)
-    return DraftModelDrafter(model, tokenizer)
+    return _from_folder(DraftModelDrafter(model, tokenizer), getattr(model, SOURCE_ATTR))
+
+
+def _from_folder(drafter: Drafter, path) -> Drafter:
+    """`drafter`, marked with the folder it was loaded from (what names it across processes,
+    `lasting_identity`)."""
+    drafter.source = Path(path)
+    return drafter
 
 
 DrafterSpec = Drafter | TreeDrafter | str | Sequence[Drafter | str] | None
@@ -374,10 +389,70 @@ def make_policy(
         if model is None:
             return AdaptiveDraftLength(max_draft, arms)
         key = (drafter.identity, sampling, max_draft)
-        return memory_of(model).get(key, lambda: AdaptiveDraftLength(max_draft, arms))
+        return memory_of(model).get(key, lambda: _remembered(max_draft, model, drafter, sampling))
     if arms > 1:
         return AdaptiveDraftLength(num_draft, arms, fixed=num_draft)
     return FixedDraftLength(num_draft)
+
+
+def _remembered(max_draft: int, model, drafter: Drafter, sampling) -> AdaptiveDraftLength:
+    """A new "auto" policy, taking up what earlier processes learned with the same target,
+    drafter, sampling settings and machine (`PolicyFile`), and keeping its own there."""
+    policy = AdaptiveDraftLength(max_draft, len(drafter.arm_names))
+    kept = _policy_file(model, drafter, sampling, max_draft)
+    if kept is not None:
+        state = kept.load()
+        if state is not None:
+            policy.restore(state)
+        object.__setattr__(policy, "kept", kept)
+    return policy
+
+
+def _policy_file(model, drafter: Drafter, sampling, max_draft: int) -> PolicyFile | None:
+    """Where the policy of this target, drafter and settings is kept on this machine; None when
+    it is not kept (`MLX_SPEC_POLICY_MEMORY=0`, a target or drafter not loaded from a folder)."""
+    from mlx_spec import embedded
+
+    if os.environ.get(MEMORY_ENV, "1").strip() == "0":
+        return None
+    source = getattr(model, SOURCE_ATTR, None)
+    arms = lasting_identity(drafter)
+    if source is None or arms is None:
+        return None
+    key = {
+        "machine": machine_key(),
+        "target": str(Path(source).resolve()),
+        "drafter": arms,
+        "sampling": dataclasses.asdict(sampling),
+        "max_draft": max_draft,
+    }
+    return PolicyFile(embedded.cache_root() / "policies", key)
+
+
+def lasting_identity(drafter: Drafter):
+    """What names `drafter` across processes (its kind and the folder it was loaded from; a
+    group: its members'); None when something of it was not loaded from a folder."""
+    members = getattr(drafter, "drafters", None)
+    if members is not None:
+        parts = [lasting_identity(d) for d in members]
+        return None if any(p is None for p in parts) else parts
+    if isinstance(drafter, NgramDrafter):
+        return list(drafter.identity)
+    source = getattr(drafter, "source", None)
+    return None if source is None else [drafter.name, str(Path(source).resolve())]
+
+
+def machine_key() -> dict:
+    """The machine and how MLX computes on it (what the measured costs depend on)."""
+    import platform
+
+    return {
+        "node": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "device": str(mx.default_device()),
+        "blas": _blas.describe(),
+    }
 
 
 def stream_generate(
@@ -477,7 +552,14 @@ def stream_generate(
     policy = None
     if drafter is not None:
         policy = make_policy(num_draft, max_draft, drafter, model=model, sampling=sampling)
-    yield from _stream(target, drafter, ids, tokenizer, sampling, policy, max_tokens, stats, stop)
+    try:
+        yield from _stream(
+            target, drafter, ids, tokenizer, sampling, policy, max_tokens, stats, stop
+        )
+    finally:
+        kept = getattr(policy, "kept", None)
+        if kept is not None:
+            kept.save(policy.state())
 
 
 def _tree_stream(

@@ -33,9 +33,14 @@ learning the same costs twice.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import tempfile
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -275,6 +280,31 @@ class AdaptiveDraftLength(DraftPolicy):
         self._retimed = False  # the plain step was timed again since the last refresh
         self._held_plain = self._held_wait = 0  # held-up timings in a row (`_held`)
 
+    def state(self) -> dict:
+        """What the policy learned (acceptance, costs, the probe schedule), JSON-ready."""
+        arms = [
+            {"hits": a.hits, "trials": a.trials, "seconds": a.seconds.sums, "fill": a.fill,
+             "rounds": a.rounds, "waits": a.waits}
+            for a in self.arms
+        ]  # fmt: skip
+        return {"arms": arms, "plain": self.plain, "wait": self.wait,
+                "probe_every": self._probe_every, "since_spec": self._since_spec}  # fmt: skip
+
+    def restore(self, state: dict) -> None:
+        """Take up what an earlier policy of the same shape learned (`state`); a state of
+        another shape (arms, draft lengths) is ignored."""
+        arms = state.get("arms") or []
+        if len(arms) != len(self.arms) or any(len(a["hits"]) != self.max_draft for a in arms):
+            return
+        for arm, saved in zip(self.arms, arms, strict=True):
+            arm.hits, arm.trials = list(saved["hits"]), list(saved["trials"])
+            arm.seconds.sums = list(saved["seconds"])
+            arm.fill, arm.rounds, arm.waits = saved["fill"], saved["rounds"], saved["waits"]
+        self.plain, self.wait = state.get("plain"), state.get("wait")
+        self._probe_every = int(state.get("probe_every", self.probe_min))
+        self._since_spec = int(state.get("since_spec", 0))
+        self.resume()
+
     def resume(self) -> None:
         """Start another generation with what was learned (the estimates stay, and so does
         the probe schedule: plain steps count towards the next probe across generations, or
@@ -462,3 +492,30 @@ def memory_of(model) -> PolicyMemory:
         memory = PolicyMemory()
         object.__setattr__(model, _MEMORY_ATTR, memory)
     return memory
+
+
+MEMORY_ENV = "MLX_SPEC_POLICY_MEMORY"  # 0: nothing learned is kept across processes
+
+
+class PolicyFile:
+    """Where an "auto" policy's learning is kept between processes: one small JSON file per
+    target, drafter, sampling settings and machine (`key`), so a short reply in a new process
+    does not pay again for what earlier runs measured (acceptance, costs, that plain decoding
+    wins here)."""
+
+    def __init__(self, folder, key: object):
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
+        self.path = Path(folder) / f"{digest.hexdigest()[:24]}.json"
+
+    def load(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):  # none yet, or written by an interrupted process
+            return None
+
+    def save(self, state: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:
+            json.dump(state, out)
+        os.replace(tmp, self.path)

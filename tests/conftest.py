@@ -13,6 +13,9 @@ from contextlib import contextmanager
 # column-major without timing the layouts on the first model it loads: outputs compared
 # across processes then come from the same products (tests/test_weight_layout.py times them).
 os.environ.setdefault("MLX_SPEC_WEIGHT_LAYOUT", "column")
+# ... and starts every "auto" policy from nothing (tests/test_policy_memory.py turns the
+# memory across processes on).
+os.environ.setdefault("MLX_SPEC_POLICY_MEMORY", "0")
 
 import mlx_spec  # first: loads the optimized BLAS before mlx
 
