@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import threading
@@ -18,10 +17,13 @@ os.environ.setdefault("MLX_SPEC_WEIGHT_LAYOUT", "column")
 os.environ.setdefault("MLX_SPEC_POLICY_MEMORY", "0")
 
 import mlx_spec  # first: loads the optimized BLAS before mlx
+from convert import convert_checkpoint
 
+import hfmodels as hfm
 import pytest
 import tinymodels as tm
 import uvicorn
+from helpers import DISTRIBUTION_ALPHABET, EAGLE3_LAYERS, LAYOUTS, with_eos, write_eagle3
 
 VOCAB = tm.tokenizer_size()
 
@@ -60,11 +62,46 @@ def loaded(checkpoints):
     return out
 
 
-def with_eos(tokenizer, eos_ids=()):
-    """A copy of the tokenizer whose EOS ids are `eos_ids` (none: generations of fixed length)."""
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.eos_token_ids = set(eos_ids)
-    return tokenizer
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target, tokenizer, draft, draft tokenizer) over a 5-letter vocabulary, for the
+    three-token distribution tests (helpers.exact_distribution, helpers.sampled)."""
+    root = tmp_path_factory.mktemp("dist")
+    vocab = tm.tokenizer_size(DISTRIBUTION_ALPHABET)
+    config = tm.llama_config(
+        vocab,
+        hidden_size=16,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    weights = tm.random_weights(config, seed=1, scale=0.3)  # flat enough to sample widely
+    tokenizer = tm.build_tokenizer(DISTRIBUTION_ALPHABET)
+    tm.write_checkpoint(root / "t", config, weights, tokenizer)
+    tm.write_checkpoint(root / "d", config, tm.perturb(weights, 1.0, seed=2), tokenizer)
+    model, tok = mlx_spec.load(str(root / "t"))
+    draft, draft_tok = mlx_spec.load(str(root / "d"))
+    return model, with_eos(tok), draft, draft_tok
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """(MLX model, tokenizer, torch model) of a 4-layer Llama, for the EAGLE-3 heads below
+    (test_dflash.py and test_server.py define their own `target`)."""
+    root = tmp_path_factory.mktemp("eagle3")
+    source, torch_model = hfm.write_hf_checkpoint(
+        root / "llama", "llama", seed=1, num_hidden_layers=EAGLE3_LAYERS
+    )
+    out = convert_checkpoint(str(source), str(root / "llama-mlx"), dtype="float32").path
+    model, tok = mlx_spec.load(str(out))
+    return model, with_eos(tok), torch_model, root
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    root = target[3]
+    return {layout: write_eagle3(root / f"head-{layout}", layout) for layout in LAYOUTS}
 
 
 @contextmanager

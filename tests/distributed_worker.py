@@ -5,7 +5,7 @@ Usage: python distributed_worker.py JOB.json
 JOB: {"model", "shard", "drafter" ("none", "ngram", "mtp", "eagle3:DIR" or a draft model
 directory; a list: one after the other, run by run), "num_draft", "prompt", "max_tokens",
 "temperature", "top_k", "runs", "seed", "negative_control" (a broken verifier of
-test_distribution.NEGATIVE_CONTROLS, installed on every rank)}.
+helpers.NEGATIVE_CONTROLS, installed on every rank)}.
 Prints one JSON line: {"rank", "world_size", "tokens": [...per run], "accepted": drafts
 accepted over all runs, "stats": the last run's}.
 """
@@ -32,7 +32,7 @@ def drafter_for(spec: str, model):
 def main() -> int:
     job = json.loads(open(sys.argv[1]).read())
     if job.get("negative_control"):
-        from test_distribution import NEGATIVE_CONTROLS
+        from helpers import NEGATIVE_CONTROLS
 
         module, name, stand_in = NEGATIVE_CONTROLS[job["negative_control"]]
         setattr(module, name, stand_in)

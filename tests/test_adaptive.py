@@ -4,43 +4,20 @@ plain stretch, and the real controller settles on k = K or on plain decoding as 
 
 from __future__ import annotations
 
-import random
 import time
 
 import mlx_spec
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.policy import AdaptiveDraftLength, Choice, DraftPolicy
+from mlx_spec.policy import AdaptiveDraftLength, Choice
 from mlx_spec.session import Session
 
 import mlx.core as mx
 import pytest
-from conftest import FAMILIES, with_eos
-from test_session import make_drafter
+from conftest import FAMILIES
+from helpers import ScriptedPolicy, make_drafter, with_eos
 
 PROMPT = "abcab cab"
 DRAFTERS = ["draft-model", "ngram", "mtp", "group"]
-
-
-class ScriptedPolicy(DraftPolicy):
-    """Random choices independent of the tokens: plain stretches of 1-5 steps (30%), else k in
-    1..K with a random arm, so k moves between 0 and K all the time."""
-
-    def __init__(self, max_draft: int = 4, arms: int = 1, seed: int = 0):
-        self.max_draft, self.arms = max_draft, arms
-        self.rng = random.Random(seed)
-        self.choices: list[Choice] = []
-
-    def choose(self, limit: int, available=None) -> Choice:
-        if limit == 0 or self.rng.random() < 0.3:
-            choice = Choice(plain_tokens=self.rng.randint(1, 5))
-        else:
-            arm = self.rng.randrange(self.arms)
-            choice = Choice(arm, self.rng.randint(1, min(limit, self.max_draft)))
-        self.choices.append(choice)
-        return choice
-
-    def describe(self) -> str:
-        return "scripted"
 
 
 def drafter_for(kind, family, entry):

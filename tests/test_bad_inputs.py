@@ -11,7 +11,7 @@ from mlx_spec.cache import CacheRollback, UnsupportedCacheError
 import mlx.core as mx
 import pytest
 import tinymodels as tm
-from conftest import with_eos
+from helpers import with_eos
 from mlx_lm.models.cache import ChunkedKVCache
 
 VOCAB = tm.tokenizer_size()

@@ -28,9 +28,17 @@ import hfmodels as hfm
 import mlx.core as mx
 import pytest
 from chisquare import chisquare_pvalue
-from conftest import with_eos
+from helpers import (
+    CONFIGS,
+    DISTRIBUTION_LENGTH,
+    DISTRIBUTION_PROMPT,
+    busy_requests,
+    engine_for,
+    exact_distribution,
+    run_all,
+    with_eos,
+)
 from mlx_lm.models.cache import make_prompt_cache
-from test_distribution import CONFIGS, LENGTH, PROMPT, exact_distribution, pair  # noqa: F401
 
 ALPHA = 1e-3
 # Rows per distribution test: more than the one-at-a-time tests take (batched rows are cheap,
@@ -174,49 +182,6 @@ def widths_after(engine: BatchEngine, step: str) -> list[tuple[int, int]]:
 
     setattr(engine, step, recorded)
     return widths
-
-
-def engine_for(model, tok, drafters, **kwargs) -> BatchEngine:
-    return BatchEngine(model, tok, scored_vocab(model, tok), drafters, **kwargs)
-
-
-def run_all(engine: BatchEngine, requests: list[dict]) -> list:
-    """Queue every request, step until done; returns (tokens, final chunk) per request."""
-    outputs = [[] for _ in requests]
-    finals = [None] * len(requests)
-
-    def emitter(i):
-        def emit(item):
-            if isinstance(item, Exception):
-                raise item
-            if item.token is None:
-                finals[i] = item
-            else:
-                outputs[i].append(item.token)
-
-        return emit
-
-    for i, req in enumerate(requests):
-        engine.add(BatchRequest(emit=emitter(i), **req))
-    while engine.busy:
-        engine.step()
-    return list(zip(outputs, finals, strict=True))
-
-
-def busy_requests(vocab: int, drafter, num_draft, n: int = 7) -> list[dict]:
-    """Requests of different prompt and output lengths (more than the batch holds at once)."""
-    rng = random.Random(3)
-    lengths = [(5, 40), (30, 25), (12, 60), (50, 8), (3, 33), (20, 45), (9, 1)][:n]
-    return [
-        dict(
-            prompt=[1] + [rng.randrange(3, vocab) for _ in range(p)],
-            sampling=SamplingConfig(),
-            max_tokens=m,
-            drafter=drafter,
-            num_draft=num_draft,
-        )
-        for p, m in lengths
-    ]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -1004,8 +969,10 @@ def batch_samples(models, config, busy: bool) -> list:
     engine = engine_for(
         model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=64, prefill_step=4096
     )
-    sampling = dict(sampling=config, max_tokens=LENGTH, drafter="draft-model", num_draft=2)
-    requests = [dict(sampling, prompt=PROMPT, seed=seed) for seed in range(RUNS)]
+    sampling = dict(
+        sampling=config, max_tokens=DISTRIBUTION_LENGTH, drafter="draft-model", num_draft=2
+    )
+    requests = [dict(sampling, prompt=DISTRIBUTION_PROMPT, seed=seed) for seed in range(RUNS)]
     if busy:  # a greedy row and a hotter row with another prompt after every fifth
         others = [
             dict(prompt=[3, 5], sampling=SamplingConfig(), max_tokens=6, drafter="draft-model"),
@@ -1018,12 +985,12 @@ def batch_samples(models, config, busy: bool) -> list:
     return [
         tuple(tokens)
         for req, (tokens, _) in zip(requests, results, strict=True)
-        if req["prompt"] == PROMPT
+        if req["prompt"] == DISTRIBUTION_PROMPT
     ]
 
 
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["t1-top_k3", "t0.7-top_p0.8"])
-def test_batched_rows_keep_the_distribution(pair, config):  # noqa: F811
+def test_batched_rows_keep_the_distribution(pair, config):
     """Chi-square of 2000 rows sampled inside busy batches against the exact distribution."""
     samples = batch_samples(pair, config, busy=True)
     assert len(samples) == RUNS
@@ -1035,7 +1002,7 @@ def _recover_from_target(target_probs, draft_probs):
 
 
 @pytest.mark.parametrize("control", ["gross", "subtle"])
-def test_batched_negative_controls_fail(pair, monkeypatch, control):  # noqa: F811
+def test_batched_negative_controls_fail(pair, monkeypatch, control):
     """The same test rejects a batch verifier that accepts every draft and one that draws the
     recovered token from the target's distribution instead of the residual."""
     if control == "gross":
@@ -1054,13 +1021,20 @@ def test_batched_negative_controls_fail(pair, monkeypatch, control):  # noqa: F8
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "ngram"])
-def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair, drafter):  # noqa: F811
+def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair, drafter):
     """A seeded row with a fixed k draws from its own stream: the same tokens alone and beside
     rows that start, draft and finish around it (n-gram: also when its lookup finds nothing
     and it takes plain steps)."""
     model, tok, draft, _ = pair
     config = SamplingConfig(temperature=1.0)
-    req = dict(prompt=PROMPT, sampling=config, max_tokens=24, drafter=drafter, num_draft=2, seed=11)
+    req = dict(
+        prompt=DISTRIBUTION_PROMPT,
+        sampling=config,
+        max_tokens=24,
+        drafter=drafter,
+        num_draft=2,
+        seed=11,
+    )
 
     def run(extra):
         drafters = {"draft-model": BatchDraftModel(draft), "ngram": BatchNgram()}
@@ -1074,20 +1048,20 @@ def test_seeded_row_is_the_same_alone_and_in_a_busy_batch(pair, drafter):  # noq
     assert run([]) == run(others)
 
 
-def test_seeded_row_is_the_same_whether_its_prompt_was_cached(pair):  # noqa: F811
+def test_seeded_row_is_the_same_whether_its_prompt_was_cached(pair):
     """A seeded row with a fixed k gives the same tokens from a fresh prompt (prefilled, its
     first token drawn after the prefill) and from one the prompt cache holds (joining the
     batch at once, its first token drawn by the batch's next step)."""
     model, tok, draft, _ = pair
-    req = dict(prompt=PROMPT, sampling=SamplingConfig(temperature=1.0), max_tokens=24,
-               drafter="draft-model", num_draft=2, seed=5)  # fmt: skip
+    req = dict(prompt=DISTRIBUTION_PROMPT, sampling=SamplingConfig(temperature=1.0),
+               max_tokens=24, drafter="draft-model", num_draft=2, seed=5)  # fmt: skip
     engine = engine_for(
         model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4, row_cache=RowCache()
     )
     ((fresh, _),) = run_all(engine, [req])
     other = dict(req, seed=None, prompt=[3, 4], max_tokens=9)
     (cached, final), _ = run_all(engine, [req, other])
-    assert final.stats.cached_tokens == len(PROMPT) - 1
+    assert final.stats.cached_tokens == len(DISTRIBUTION_PROMPT) - 1
     assert cached == fresh
 
 

@@ -28,10 +28,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from chisquare import chisquare_pvalue, exact_sequences, reference_probs
-from conftest import serving, with_eos
-from test_batch import busy_requests, engine_for, run_all
-from test_dflash import write_dflash
-from test_eagle3 import write_eagle3
+from conftest import serving
+from helpers import busy_requests, engine_for, run_all, with_eos, write_dflash, write_eagle3
 
 PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]
 GREEDY = SamplingConfig()

@@ -12,8 +12,7 @@ from mlx_spec.engine import BatchEngine
 
 import mlx.nn as nn
 import pytest
-from conftest import with_eos
-from test_batch import busy_requests, run_all
+from helpers import busy_requests, run_all, with_eos
 
 
 class Recorder:

@@ -20,47 +20,18 @@ import numpy as np
 import pytest
 import torch
 from chisquare import chisquare_pvalue, exact_first_tokens, first_tokens
-from conftest import with_eos
+from helpers import BLOCK, DFLASH_IDS, DFLASH_LAYERS, MASK, with_eos, write_dflash
 
 dflash_model = pytest.importorskip("dflash.model")  # installed by the README's test command
 
-LAYERS = 4
-IDS = [1, 2]  # target layer outputs: hidden_states[2] and [3]
-BLOCK = 8
-MASK = 7
 PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]
-
-
-def write_dflash(path, seed: int = 3, **changes):
-    """A random z-lab DFlash drafter (2 Qwen3-style layers) for the tiny target."""
-    from transformers import Qwen3Config
-
-    base = hfm.CONFIGS["qwen3"]
-    settings = dict(
-        hidden_size=base["hidden_size"],
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        vocab_size=hfm.VOCAB,
-        num_target_layers=LAYERS,
-        dflash_config={"target_layer_ids": IDS, "mask_token_id": MASK, "block_size": BLOCK},
-    )
-    settings.update(changes)
-    torch.manual_seed(seed)
-    model = dflash_model.DFlashDraftModel(Qwen3Config(**settings))
-    hfm.randomize(model.float(), seed)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path, model
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("dflash")
     source, torch_model = hfm.write_hf_checkpoint(
-        root / "qwen3", "qwen3", seed=2, num_hidden_layers=LAYERS
+        root / "qwen3", "qwen3", seed=2, num_hidden_layers=DFLASH_LAYERS
     )
     out = convert_checkpoint(str(source), str(root / "qwen3-mlx"), dtype="float32").path
     model, tok = mlx_spec.load(str(out))
@@ -74,7 +45,7 @@ def zlab_block_logits(torch_model, torch_drafter, sequence: list[int], k: int) -
     n = len(sequence) - 1
     with torch.no_grad():
         out = torch_model(input_ids=torch.tensor([sequence[:-1]]), output_hidden_states=True)
-        feats = dflash_model.extract_context_feature(out.hidden_states, IDS)
+        feats = dflash_model.extract_context_feature(out.hidden_states, DFLASH_IDS)
         block = torch.tensor([[sequence[-1]] + [MASK] * k])
         noise = torch_model.get_input_embeddings()(block)
         hidden = torch_drafter(
@@ -172,7 +143,7 @@ def test_dflash_bad_drafters(target, tmp_path):
     path, _ = write_dflash(tmp_path / "wide", hidden_size=48)
     with pytest.raises(ValueError, match="48 wide; it embeds with the target's 32-wide"):
         load_dflash_drafter(path, model)
-    nomask = {"target_layer_ids": IDS, "block_size": BLOCK}
+    nomask = {"target_layer_ids": DFLASH_IDS, "block_size": BLOCK}
     path, _ = write_dflash(tmp_path / "nomask", dflash_config=nomask)
     with pytest.raises(ValueError, match="no mask_token_id"):
         load_dflash_drafter(path, model)

@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tinymodels as tm
-from conftest import VOCAB, with_eos
+from conftest import VOCAB
+from helpers import with_eos
 from mlx.utils import tree_flatten
 
 SMALL = dict(batch_size=8, seq_len=64, learning_rate=3e-3, hidden_size=64, num_layers=1)

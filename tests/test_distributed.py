@@ -31,7 +31,7 @@ import pytest
 import tinymodels as tm
 from chisquare import chisquare_pvalue, exact_first_tokens
 from conftest import serving
-from test_eagle3 import write_eagle3
+from helpers import write_eagle3
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]

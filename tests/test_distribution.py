@@ -14,74 +14,22 @@ import mlx_spec.verify
 from mlx_spec import DraftModelDrafter
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.policy import AdaptiveDraftLength
-from mlx_spec.sampling import SamplingConfig, sample
+from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import tinymodels as tm
-from chisquare import chisquare_pvalue, exact_sequences, reference_probs
-from conftest import with_eos
-from test_adaptive import ScriptedPolicy
-
-ALPHA = 1e-3  # stated false-positive rate of each test
-# Samples per test: against the subtle negative control below (recovery from p instead of the
-# residual) the statistic is about 390 on 26 degrees of freedom at 1000 samples (p ~ 1e-30), so
-# the tests keep their power with room to spare at this size.
-RUNS = 1000
-ALPHABET = "abcde"
-PROMPT = [3, 4, 5, 3]
-LENGTH = 3  # tokens compared: with k = 2, round one can emit all three
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    vocab = tm.tokenizer_size(ALPHABET)
-    config = tm.llama_config(
-        vocab,
-        hidden_size=16,
-        num_hidden_layers=1,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    weights = tm.random_weights(config, seed=1, scale=0.3)  # flat enough to sample widely
-    tokenizer = tm.build_tokenizer(ALPHABET)
-    tm.write_checkpoint(root / "t", config, weights, tokenizer)
-    tm.write_checkpoint(root / "d", config, tm.perturb(weights, 1.0, seed=2), tokenizer)
-    model, tok = mlx_spec.load(str(root / "t"))
-    draft, draft_tok = mlx_spec.load(str(root / "d"))
-    return model, with_eos(tok), draft, draft_tok
-
-
-def exact_distribution(model, config: SamplingConfig) -> dict:
-    """P(t1, t2, t3 | prompt) under `model` with these sampling settings, by enumeration."""
-
-    def next_probs(ids):
-        return reference_probs(np.array(model(mx.array([ids]))[0, -1]), config)
-
-    return exact_sequences(next_probs, PROMPT, LENGTH)
-
-
-def sampled(model, tok, make_drafter, config: SamplingConfig, num_draft=lambda: 2) -> list:
-    """The first three tokens of RUNS seeded generations."""
-    out = []
-    for seed in range(RUNS):
-        result = mlx_spec.generate(
-            model,
-            tok,
-            PROMPT,
-            drafter=make_drafter(),
-            num_draft=num_draft(),
-            max_tokens=LENGTH,
-            seed=seed,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
-        )
-        out.append(tuple(result.tokens))
-    return out
+from chisquare import chisquare_pvalue
+from helpers import (
+    ALPHA,
+    CONFIGS,
+    DISTRIBUTION_PROMPT,
+    DISTRIBUTION_RUNS,
+    NEGATIVE_CONTROLS,
+    ScriptedPolicy,
+    exact_distribution,
+    sampled,
+)
 
 
 class RandomOneHotDrafter(Drafter):
@@ -118,30 +66,15 @@ def factory(kind, pair):
     return RandomOneHotDrafter
 
 
-def always_accept(target_probs, draft_probs, draft_tokens):
-    k = draft_tokens.shape[0]
-    return mx.array(k), sample(target_probs[k])
-
-
-def recover_from_target(target_probs, draft_probs):
-    """A stand-in for `verify.residual` with one bug: a rejected position's token is drawn
-    from the target's distribution, not from norm(max(0, p - q))."""
-    return target_probs
-
-
-CONFIGS = [
-    SamplingConfig(temperature=1.0, top_k=3),
-    SamplingConfig(temperature=0.7, top_p=0.8),
-    SamplingConfig(temperature=1.0),
-]
 IDS = ["t1-top_k3", "t0.7-top_p0.8", "t1"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("kind", ["draft-model", "one-hot", "random"])
 def test_three_token_distribution_matches_target(pair, request, config, kind):
-    """Chi-square goodness of fit of RUNS speculative samples (k = 2) against the exact target
-    distribution (sequences outside its support, e.g. top-k-masked tokens, fail at once)."""
+    """Chi-square goodness of fit of DISTRIBUTION_RUNS speculative samples (k = 2) against the
+    exact target distribution (sequences outside its support, e.g. top-k-masked tokens, fail
+    at once)."""
     model, tok = pair[:2]
     if kind == "draft-model" and config is CONFIGS[0]:
         samples = request.getfixturevalue("draft_model_samples")
@@ -170,7 +103,7 @@ def test_moving_draft_lengths_keep_the_distribution(pair, kind):
     """k drawn afresh every round (plain stretches, 1 or 2 drafts), independently of the
     tokens: still the target's distribution."""
     model, tok = pair[:2]
-    seeds = iter(range(RUNS))
+    seeds = iter(range(DISTRIBUTION_RUNS))
     samples = sampled(
         model,
         tok,
@@ -194,12 +127,6 @@ def test_adaptive_draft_length_keeps_the_distribution(pair, kind):
         num_draft=lambda: AdaptiveDraftLength(2, first_plain=1, prior_accept=0.9),
     )
     assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) > ALPHA
-
-
-NEGATIVE_CONTROLS = {  # (module, name, stand-in)
-    "gross": (mlx_spec.decode, "rejection_verify", always_accept),
-    "subtle": (mlx_spec.verify, "residual", recover_from_target),
-}
 
 
 @pytest.mark.parametrize("kind", ["draft-model", "one-hot"])
@@ -235,7 +162,7 @@ def test_masked_tokens_never_drafted(pair, config):
     mlx_spec.generate(
         model,
         tok,
-        PROMPT,
+        DISTRIBUTION_PROMPT,
         drafter=drafter,
         num_draft=3,
         max_tokens=60,

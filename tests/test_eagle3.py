@@ -21,129 +21,24 @@ import numpy as np
 import pytest
 import torch
 from chisquare import chisquare_pvalue, exact_first_tokens, first_tokens
-from conftest import with_eos
+from helpers import EAGLE3_IDS, EAGLE3_LAYERS, EAGLE3_PROMPT, LAYOUTS, T, write_eagle3
 from safetensors.torch import save_file
-
-LAYERS = 4  # target decoder layers
-IDS = [0, 2, 3]  # the inputs of layers 0, 2 and 3 (Hugging Face hidden_states indices)
-T = hfm.CONFIGS["llama"]["hidden_size"]
-PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]
-HEAD = dict(hidden_size=T, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
-
-
-def draft_vocab(seed: int = 0) -> np.ndarray:
-    """Target ids of the draft vocabulary: half the target's, sorted, the specials included."""
-    rng = np.random.default_rng(seed)
-    rest = rng.choice(np.arange(3, hfm.VOCAB), size=hfm.VOCAB // 2 - 3, replace=False)
-    return np.sort(np.concatenate([np.arange(3), rest]))
-
-
-def head_tensors(seed: int, vocab_ids: np.ndarray, prefix: str = "midlayer") -> dict:
-    gen = torch.Generator().manual_seed(seed)
-
-    def mat(rows, cols):
-        return torch.randn(rows, cols, generator=gen) * cols**-0.5
-
-    def vec(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=gen)
-
-    d, inner, heads, kv = T, HEAD["intermediate_size"], 4, 2
-    hd = d // heads
-    out = {
-        "fc.weight": mat(d, len(IDS) * T),
-        f"{prefix}.self_attn.q_proj.weight": mat(heads * hd, 2 * d),
-        f"{prefix}.self_attn.k_proj.weight": mat(kv * hd, 2 * d),
-        f"{prefix}.self_attn.v_proj.weight": mat(kv * hd, 2 * d),
-        f"{prefix}.self_attn.o_proj.weight": mat(d, heads * hd),
-        f"{prefix}.mlp.gate_proj.weight": mat(inner, d),
-        f"{prefix}.mlp.up_proj.weight": mat(inner, d),
-        f"{prefix}.mlp.down_proj.weight": mat(d, inner),
-        f"{prefix}.input_layernorm.weight": vec(d),
-        f"{prefix}.hidden_norm.weight": vec(d),
-        f"{prefix}.post_attention_layernorm.weight": vec(d),
-        "norm.weight": vec(d),
-        "lm_head.weight": mat(len(vocab_ids), d),
-        "d2t": torch.tensor(vocab_ids - np.arange(len(vocab_ids)), dtype=torch.int64),
-    }
-    t2d = torch.zeros(hfm.VOCAB, dtype=torch.bool)
-    t2d[torch.tensor(vocab_ids)] = True
-    out["t2d"] = t2d
-    return out
-
-
-def write_eagle3(path, layout: str = "eagle3", seed: int = 7, **config_changes):
-    """A random EAGLE-3 head for the tiny target, in the EAGLE repository's layout or the
-    speculators format."""
-    path.mkdir(parents=True, exist_ok=True)
-    vocab_ids = draft_vocab(seed)
-    layer = {
-        "model_type": "llama",
-        **HEAD,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 2048,
-        "vocab_size": hfm.VOCAB,
-    }
-    if layout == "eagle3":
-        config = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            **layer,
-            "draft_vocab_size": len(vocab_ids),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": IDS},
-        }
-        tensors = head_tensors(seed, vocab_ids)
-    else:
-        config = {
-            "speculators_model_type": "eagle3",
-            "architectures": ["Eagle3Speculator"],
-            "transformer_layer_config": layer,
-            "draft_vocab_size": len(vocab_ids),
-            "norm_before_residual": False,
-            "eagle_aux_hidden_state_layer_ids": IDS,
-        }
-        tensors = head_tensors(seed, vocab_ids, prefix="layers.0")
-    config.update(config_changes)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    return path, tensors
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """(MLX model, tokenizer, torch model) of a 4-layer Llama."""
-    root = tmp_path_factory.mktemp("eagle3")
-    source, torch_model = hfm.write_hf_checkpoint(
-        root / "llama", "llama", seed=1, num_hidden_layers=LAYERS
-    )
-    out = convert_checkpoint(str(source), str(root / "llama-mlx"), dtype="float32").path
-    model, tok = mlx_spec.load(str(out))
-    return model, with_eos(tok), torch_model, root
-
-
-@pytest.fixture(scope="module")
-def heads(target):
-    root = target[3]
-    return {layout: write_eagle3(root / f"head-{layout}", layout) for layout in LAYOUTS}
-
-
-LAYOUTS = ["eagle3", "speculators"]
 
 
 def test_layer_taps_follow_hf_hidden_states(target):
     """Id i is Hugging Face's hidden_states[i]: the input of layer i, and id L the final
     hidden state after the norm. An off-by-one never crashes; this pins it."""
     model, _, torch_model, _ = target
-    ids = [0, 1, 3, LAYERS]
+    ids = [0, 1, 3, EAGLE3_LAYERS]
     runner = ModelRunner(model, hfm.VOCAB, keep_hidden=tuple(ids))
-    got = np.array(runner.prefill(PROMPT))
+    got = np.array(runner.prefill(EAGLE3_PROMPT))
     with torch.no_grad():
-        hs = torch_model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True)
+        hs = torch_model(input_ids=torch.tensor([EAGLE3_PROMPT]), output_hidden_states=True)
     want = torch.cat([hs.hidden_states[i][0] for i in ids], dim=-1).numpy()
-    assert got.shape == (len(PROMPT), len(ids) * T)
+    assert got.shape == (len(EAGLE3_PROMPT), len(ids) * T)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="do not fit a target of 4 layers"):
-        tap_layers(model, [LAYERS + 1])
+        tap_layers(model, [EAGLE3_LAYERS + 1])
 
 
 def _rms(x, w, eps=1e-5):
@@ -162,15 +57,15 @@ def _rope(x, positions, base=10000.0):
 
 
 def formula_logits(torch_model, tensors: dict, prefix: str, ids: list[int]) -> np.ndarray:
-    """The head's logits over the target vocabulary for every pair (g_p, t_{p+1}) of PROMPT,
-    computed by hand: features of the target's hidden_states, fc, the decoder layer over
-    [input_layernorm(e), hidden_norm(g)] with residual g, norm, lm_head, d2t."""
+    """The head's logits over the target vocabulary for every pair (g_p, t_{p+1}) of
+    EAGLE3_PROMPT, computed by hand: features of the target's hidden_states, fc, the decoder
+    layer over [input_layernorm(e), hidden_norm(g)] with residual g, norm, lm_head, d2t."""
     w = {k: v.float() for k, v in tensors.items()}
     p = f"{prefix}."
     with torch.no_grad():
-        hs = torch_model(input_ids=torch.tensor([PROMPT]), output_hidden_states=True)
-        feats = torch.cat([hs.hidden_states[i][0] for i in IDS], dim=-1)[:-1]  # pairs p
-        e = torch_model.model.embed_tokens(torch.tensor(PROMPT[1:]))
+        hs = torch_model(input_ids=torch.tensor([EAGLE3_PROMPT]), output_hidden_states=True)
+        feats = torch.cat([hs.hidden_states[i][0] for i in EAGLE3_IDS], dim=-1)[:-1]  # pairs p
+        e = torch_model.model.embed_tokens(torch.tensor(EAGLE3_PROMPT[1:]))
         g = feats @ w["fc.weight"].T
         h = _rms(g, w[p + "hidden_norm.weight"])
         x = torch.cat([_rms(e, w[p + "input_layernorm.weight"]), h], dim=-1)
@@ -207,10 +102,12 @@ def test_eagle3_logits_follow_the_formula(target, heads, layout):
     drafter = load_eagle3_drafter(path, model)
     prefix = "midlayer" if layout == "eagle3" else "layers.0"
     runner = ModelRunner(model, hfm.VOCAB, keep_hidden=drafter.hidden_layers)
-    feats = runner.prefill(PROMPT)[:-1]
+    feats = runner.prefill(EAGLE3_PROMPT)[:-1]
     head = drafter.module
-    got = np.array(head(mx.array([PROMPT[1:]]), cache=head.make_cache(), hidden=feats[None])[0])
-    want = formula_logits(torch_model, tensors, prefix, IDS)
+    got = np.array(
+        head(mx.array([EAGLE3_PROMPT[1:]]), cache=head.make_cache(), hidden=feats[None])[0]
+    )
+    want = formula_logits(torch_model, tensors, prefix, EAGLE3_IDS)
     finite = np.isfinite(want)
     assert (np.isfinite(got) == finite).all()
     np.testing.assert_allclose(got[finite], want[finite], atol=1e-4, rtol=1e-4)
@@ -219,9 +116,11 @@ def test_eagle3_logits_follow_the_formula(target, heads, layout):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_greedy_eagle3_equals_plain(target, heads, k):
     model, tok, _, _ = target
-    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=30).tokens
+    plain = mlx_spec.generate(model, tok, EAGLE3_PROMPT, max_tokens=30).tokens
     drafter = load_eagle3_drafter(heads["eagle3"][0], model)
-    result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=k, max_tokens=30)
+    result = mlx_spec.generate(
+        model, tok, EAGLE3_PROMPT, drafter=drafter, num_draft=k, max_tokens=30
+    )
     assert result.tokens == plain
     assert result.stats.drafter == "eagle3" and result.stats.drafted > 0
 
@@ -240,7 +139,7 @@ def test_eagle3_state_after_forced_outcomes(target, heads, accepted):
     the same sequence (its cache rolls back with the target's)."""
     model = target[0]
     drafter = load_eagle3_drafter(heads["speculators"][0], model)
-    sequence = list(PROMPT)
+    sequence = list(EAGLE3_PROMPT)
     runner = ModelRunner(model, hfm.VOCAB, keep_hidden=drafter.hidden_layers)
     drafter.begin(sequence, hfm.VOCAB, runner.prefill(sequence[:-1]))
     for _ in range(4):
@@ -261,8 +160,10 @@ def test_distribution_with_a_reduced_draft_vocabulary(target, heads):
     samples: a verifier that recovers from p instead of the residual gives p ~ 1e-15 here."""
     model, tok, _, _ = target
     drafter = load_eagle3_drafter(heads["eagle3"][0], model)
-    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 500)
-    assert chisquare_pvalue(samples, exact_first_tokens(model, PROMPT, DIST, hfm.VOCAB)) > 1e-3
+    samples = first_tokens(model, tok, EAGLE3_PROMPT, drafter, DIST, 500)
+    assert (
+        chisquare_pvalue(samples, exact_first_tokens(model, EAGLE3_PROMPT, DIST, hfm.VOCAB)) > 1e-3
+    )
 
 
 def test_eagle3_bad_heads(target, tmp_path):
@@ -300,9 +201,9 @@ def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
     path, _ = heads["speculators"]
     out = convert_checkpoint(str(path), str(tmp_path / "head-mlx"), dtype="float32").path
     assert json.loads((out / "config.json").read_text())["model_type"] == "eagle3"
-    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=tuple(IDS))
-    feats = runner.prefill(PROMPT)[:-1][None]
-    tokens = mx.array([PROMPT[1:]])
+    runner = ModelRunner(model, hfm.VOCAB, keep_hidden=tuple(EAGLE3_IDS))
+    feats = runner.prefill(EAGLE3_PROMPT)[:-1][None]
+    tokens = mx.array([EAGLE3_PROMPT[1:]])
     logits = []
     for source in (path, out):
         head = load_eagle3_drafter(source, model).module
@@ -310,8 +211,10 @@ def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
     np.testing.assert_array_equal(logits[0], logits[1])
 
     shutil.copytree(out, root / "llama-mlx" / "eagle3")
-    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=12).tokens
-    result = mlx_spec.generate(model, tok, PROMPT, drafter="eagle3", num_draft=2, max_tokens=12)
+    plain = mlx_spec.generate(model, tok, EAGLE3_PROMPT, max_tokens=12).tokens
+    result = mlx_spec.generate(
+        model, tok, EAGLE3_PROMPT, drafter="eagle3", num_draft=2, max_tokens=12
+    )
     assert result.tokens == plain and result.stats.drafter == "eagle3"
     run = subprocess.run(
         [sys.executable, "-m", "mlx_spec.cli", "generate", "--model", str(root / "llama-mlx"),
@@ -349,8 +252,10 @@ def test_eagle3_tree_equals_plain_and_its_first_branch_is_the_chain(target, head
             super().accept(tokens, hidden)
 
     drafter = Recording(head, width=2, max_depth=depth)
-    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=24).tokens
-    result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=depth, max_tokens=24)
+    plain = mlx_spec.generate(model, tok, EAGLE3_PROMPT, max_tokens=24).tokens
+    result = mlx_spec.generate(
+        model, tok, EAGLE3_PROMPT, drafter=drafter, num_draft=depth, max_tokens=24
+    )
     assert result.tokens == plain and result.stats.drafter == "eagle3-tree"
     chain = Eagle3Drafter(head, model)
     assert len(rounds) > 3
@@ -369,4 +274,4 @@ def test_wrappers_ask_for_the_same_features(target, heads):
 
     drafter = load_eagle3_drafter(heads["eagle3"][0], target[0])
     for wrapped in (TimedDrafter(drafter), DrafterGroup([NgramDrafter(), drafter])):
-        assert hidden_wanted(wrapped) == tuple(IDS)
+        assert hidden_wanted(wrapped) == tuple(EAGLE3_IDS)

@@ -12,7 +12,7 @@ import mlx_spec
 from mlx_spec.embedded import PAIR_DIR, available, converted_pair, stdlib_files
 
 import pytest
-from conftest import with_eos
+from helpers import with_eos
 
 PROMPT = "def parse_args(argv):"
 

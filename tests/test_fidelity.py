@@ -6,7 +6,8 @@ import mlx_spec
 from mlx_spec import DraftModelDrafter
 
 import pytest
-from conftest import FAMILIES, with_eos
+from conftest import FAMILIES
+from helpers import with_eos
 
 PROMPT = "abcab cab"
 KS = (1, 2, 4, 8)

@@ -27,10 +27,9 @@ import pytest
 import tinymodels as tm
 import torch
 from chisquare import chisquare_pvalue, exact_sequences, reference_probs
-from conftest import with_eos
+from helpers import NEGATIVE_CONTROLS, ScriptedPolicy, with_eos
 from mlx_lm.models.cache import RotatingKVCache
 from safetensors.torch import load_file, save_file
-from test_distribution import NEGATIVE_CONTROLS
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
 WINDOW = 6  # target and assistant sliding window; generations run well past it
@@ -220,8 +219,6 @@ def test_greedy_equals_plain(gemma, k):
 def test_greedy_equals_plain_while_k_moves(gemma, seed):
     """Plain stretches between rounds of 1-4 drafts (the assistant follows the plain steps'
     tokens and hidden states), and the adaptive policy: still plain decoding's output."""
-    from test_adaptive import ScriptedPolicy
-
     model, tok = gemma["target"]
     drafter = load_gemma4_assistant(gemma["copy"][0], model)
     plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=60).tokens

@@ -20,11 +20,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from chisquare import chisquare_pvalue, exact_sequences, reference_probs
-from conftest import with_eos
+from helpers import NEGATIVE_CONTROLS, with_eos
 from mlx.nn import RMSNorm
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from test_distribution import NEGATIVE_CONTROLS
 
 WRITERS = {
     "deepseek_v3": lambda p: hfm.write_hf_checkpoint(p, "deepseek_v3", seed=4),

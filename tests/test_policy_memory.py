@@ -7,7 +7,7 @@ import mlx_spec
 from mlx_spec.api import make_policy
 from mlx_spec.sampling import SamplingConfig
 
-from conftest import with_eos
+from helpers import with_eos
 
 
 def test_a_new_process_takes_up_what_the_last_learned(checkpoints, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ from mlx_spec.server import ServerConfig, create_app, drafter_factories
 import httpx
 import openai
 import pytest
-from conftest import serving, with_eos
+from conftest import serving
+from helpers import with_eos
 
 MODEL_ID = "tiny"
 LIMIT = 480  # max_tokens limit of the test server (the context holds 512)

@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 import tinymodels as tm
-from conftest import serving, with_eos
+from conftest import serving
+from helpers import with_eos
 
 MODEL_ID = "tiny-tools"
 WEATHER = {

@@ -5,35 +5,16 @@ decodes (greedy, token for token)."""
 from __future__ import annotations
 
 import mlx_spec
-from mlx_spec.drafters.mtp import MTPDrafter
-from mlx_spec.models.mtp import MTPModule, target_layers
 from mlx_spec.session import Session, common_prefix
 
-import mlx.core as mx
 import pytest
-from conftest import FAMILIES, with_eos
+from conftest import FAMILIES
+from helpers import make_drafter, with_eos
 
 KINDS = ["none", "draft-model", "ngram", "mtp"]
 PROMPT = "abcab cab"
 NEW = " ponm lk"  # what the second turn adds after the first reply
 N = 30
-
-
-def make_drafter(kind, family, entry):
-    """A fresh drafter of `kind` for the fixture `family`; MTP heads are random ones built on
-    the target (a mimo-layout head; Qwen3.5's own layout on the hybrid target)."""
-    model, tok, draft, draft_tok = entry
-    if kind == "none":
-        return None
-    if kind == "draft-model":
-        return mlx_spec.DraftModelDrafter(draft, with_eos(draft_tok, tok.eos_token_ids))
-    if kind == "ngram":
-        return "ngram"
-    layout = "qwen3_5" if family == "qwen3_5" else "mimo"
-    mx.random.seed(0)
-    module = MTPModule(layout, model, len(target_layers(model)) - 1, 1e-6)
-    mx.eval(module.parameters())
-    return MTPDrafter(module, model)
 
 
 def fresh(entry, family, kind, prompt, **kwargs):

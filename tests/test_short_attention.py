@@ -6,12 +6,13 @@ from __future__ import annotations
 import mlx_spec
 from mlx_spec import DraftModelDrafter, short_attention
 from mlx_spec.batch_drafters import BatchDraftModel, BatchNgram
+from mlx_spec.compat import scored_vocab
 from mlx_spec.prompt_cache import RowCache
 
 import mlx.core as mx
 import pytest
-from conftest import FAMILIES, with_eos
-from test_batch import busy_requests, engine_for, run_all, scored_vocab
+from conftest import FAMILIES
+from helpers import busy_requests, engine_for, run_all, with_eos
 
 ORIGINAL = short_attention._state["original"] or mx.fast.scaled_dot_product_attention
 

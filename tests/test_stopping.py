@@ -12,7 +12,7 @@ from mlx_spec.stopping import StopMatcher
 
 import pytest
 import tinymodels as tm
-from conftest import with_eos
+from helpers import with_eos
 
 FAMILIES = ["llama", "gemma3", "qwen3_5"]
 PROMPTS = ["abc", "hello", "pop", "mad", "long"]

@@ -33,9 +33,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from chisquare import chisquare_pvalue
-from conftest import with_eos
+from helpers import CONFIGS, exact_distribution, sampled, with_eos
 from mlx_lm.models.cache import make_prompt_cache
-from test_distribution import CONFIGS, exact_distribution, pair, sampled  # noqa: F401
 
 ALPHA = 1e-3
 # Nodes in breadth-first order under the root: two children of the root, branches below.
@@ -257,17 +256,18 @@ class SampledTree(TreeDrafter):
         return TokenTree(tokens, parents, mx.stack(probs))
 
 
-def test_three_token_distribution_with_trees(pair):  # noqa: F811
-    """Chi-square of RUNS tree-speculative samples (depth 2, two branches drawn from the draft
-    model with their distributions) against the exact target distribution of the first three
-    tokens (chosen branches, q one-hot, are tested through lookahead decoding below)."""
+def test_three_token_distribution_with_trees(pair):
+    """Chi-square of DISTRIBUTION_RUNS tree-speculative samples (depth 2, two branches drawn
+    from the draft model with their distributions) against the exact target distribution of
+    the first three tokens (chosen branches, q one-hot, are tested through lookahead decoding
+    below)."""
     model, tok, draft, _ = pair
     config = CONFIGS[0]
     samples = sampled(model, tok, lambda: SampledTree(draft), config)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
 
-def test_tree_negative_control_fails(pair, monkeypatch):  # noqa: F811
+def test_tree_negative_control_fails(pair, monkeypatch):
     """Trying the next child against p itself instead of the residual after a rejection
     changes the distribution, and the test above sees it."""
     model, tok, draft, _ = pair
@@ -480,7 +480,7 @@ def test_greedy_lookahead_equals_plain(loaded, family, window, ngram, candidates
     assert auto.tokens == plain.tokens
 
 
-def test_three_token_distribution_with_lookahead(pair):  # noqa: F811
+def test_three_token_distribution_with_lookahead(pair):
     """Lookahead's candidates are chosen (verified as one-hot) at temperature 0.7 + top-p."""
     model, tok = pair[:2]
     config = CONFIGS[1]

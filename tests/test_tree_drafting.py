@@ -14,10 +14,8 @@ from mlx_spec.sampling import SamplingConfig
 import mlx.core as mx
 import pytest
 from chisquare import chisquare_pvalue
-from conftest import with_eos
+from helpers import ALPHA, CONFIGS, EAGLE3_PROMPT, exact_distribution, sampled, with_eos
 from mlx_lm.models.cache import make_prompt_cache
-from test_distribution import ALPHA, CONFIGS, exact_distribution, pair, sampled  # noqa: F401
-from test_eagle3 import PROMPT, heads, target  # noqa: F401  (fixtures)
 
 
 def recording(cls):
@@ -95,19 +93,21 @@ def test_dynamic_tree_is_eagle2s_expansion(loaded, width):
 
 
 @pytest.mark.parametrize("depth", [1, 4])
-def test_eagle3_dynamic_tree_equals_plain(target, heads, depth):  # noqa: F811
+def test_eagle3_dynamic_tree_equals_plain(target, heads, depth):
     """An EAGLE-3 head (fed its own output states down each path) growing dynamic trees:
     greedy output equals plain decoding; the trees reach the depth asked."""
     model, tok, _, _ = target
     head = load_eagle3_drafter(heads["eagle3"][0], model).module
     drafter = recording(BranchingMTP)(head, width=2, max_depth=depth, dynamic=True)
-    plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=24).tokens
-    result = mlx_spec.generate(model, tok, PROMPT, drafter=drafter, num_draft=depth, max_tokens=24)
+    plain = mlx_spec.generate(model, tok, EAGLE3_PROMPT, max_tokens=24).tokens
+    result = mlx_spec.generate(
+        model, tok, EAGLE3_PROMPT, drafter=drafter, num_draft=depth, max_tokens=24
+    )
     assert result.tokens == plain and result.stats.drafter == "eagle3-tree"
     assert any(max(tree.depths) == depth for *_, tree in drafter.rounds)
 
 
-def test_sampled_trees_keep_the_target_distribution(pair):  # noqa: F811
+def test_sampled_trees_keep_the_target_distribution(pair):
     """Sampling (a tree asked to be dynamic too), the root's two candidates and the chains
     under them are draws from the draft model, each carrying its distribution: chi-square of
     the first three tokens against the target's exact distribution."""
@@ -123,7 +123,7 @@ def test_sampled_trees_keep_the_target_distribution(pair):  # noqa: F811
     assert chisquare_pvalue(samples, exact_distribution(model, config)) > ALPHA
 
 
-def test_sampled_tree_negative_control_fails(pair, monkeypatch):  # noqa: F811
+def test_sampled_tree_negative_control_fails(pair, monkeypatch):
     """Trying the second drawn candidate against p itself instead of the residual after the
     first is rejected changes the distribution, and the test above sees it."""
     import mlx_spec.tree as tree_module
