@@ -65,7 +65,8 @@ def first_prompts(seed: int, questions: int, stories: int, passages: int) -> lis
 
 
 def edit_prompts(work: Path, seed: int) -> list[str]:
-    """An edit instruction for each passage the model wrote at T = 0 (passages that end)."""
+    """An edit instruction for each passage the model wrote (at either temperature), cut after
+    its last full sentence."""
     from mlx_spec import load
 
     spec = json.loads(TOPICS.read_text())
@@ -76,14 +77,18 @@ def edit_prompts(work: Path, seed: int) -> list[str]:
     for line in (work / "first-answers.jsonl").read_text().splitlines():
         record = json.loads(line)
         prompt = first[record["index"]]
-        if record["temperature"] != 0 or record.get("finish_reason") != "stop":
-            continue
         if not _is_passage_request(prompt, spec):
             continue
-        passage = tokenizer.decode(record["answer_ids"]).strip()
+        passage = _whole_sentences(tokenizer.decode(record["answer_ids"]).strip())
         if 30 <= len(passage.split()) <= 220:
             out.append(f"{rng.choice(spec['edit_instructions'])}\n\n{passage}")
     return out
+
+
+def _whole_sentences(text: str) -> str:
+    """`text` up to its last sentence end (an answer cut by the token budget ends mid-way)."""
+    end = max(text.rfind(mark) for mark in (".", "!", "?"))
+    return text[: end + 1] if end > 0 else text
 
 
 def _is_passage_request(prompt: str, spec: dict) -> bool:
