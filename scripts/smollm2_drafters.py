@@ -118,6 +118,7 @@ def distill(work: Path, args, extra: list[str], out: Path, prompts: Path, answer
 
 def stage_prompts(work: Path, args) -> None:
     prompts = first_prompts(args.seed, args.questions, args.stories, args.passages)
+    prompts = prompts[: args.first]
     write_jsonl(work / "first.jsonl", prompts)
     log(f"{len(prompts)} first prompts")
 
@@ -190,6 +191,9 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=500)
     parser.add_argument("--stories", type=int, default=250)
     parser.add_argument("--passages", type=int, default=300)
+    parser.add_argument(
+        "--first", type=int, default=540, help="keep the first N of the shuffled prompts"
+    )
     parser.add_argument("--answer-tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=8)
