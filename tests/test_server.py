@@ -10,8 +10,8 @@ import time
 
 import mlx_spec
 from mlx_spec.api import encode_prompt
-from mlx_spec.chat import FALLBACK_STOP, fallback_prompt
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
+from mlx_spec.serving.chat import FALLBACK_STOP, fallback_prompt
+from mlx_spec.serving.server import ServerConfig, create_app, drafter_factories
 
 import httpx
 import openai
@@ -443,7 +443,7 @@ def test_serve_pace_slack_reaches_the_engine(target):
     """`--pace-slack` (a share, or 'off') is parsed and handed to the batch engine; a value
     outside [0, 1) is refused by the parser with its reason."""
     from mlx_spec.cli import build_parser
-    from mlx_spec.server import ServerConfig, batch_engine
+    from mlx_spec.serving.server import ServerConfig, batch_engine
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).pace_slack is None
@@ -462,8 +462,8 @@ def test_serve_trace_steps_reaches_the_engine(target, tmp_path):
     """`--trace-steps FILE` gives the batch engine a `StepLog` on FILE; a file that cannot be
     written, or the flag with --no-batching, is a clear error before the model loads."""
     from mlx_spec.cli import _trace_file, build_parser, main
-    from mlx_spec.engine import StepLog
-    from mlx_spec.server import ServerConfig, batch_engine
+    from mlx_spec.decoding.engine import StepLog
+    from mlx_spec.serving.server import ServerConfig, batch_engine
 
     path = str(tmp_path / "steps.jsonl")
     assert build_parser().parse_args(["serve", "--trace-steps", path]).trace_steps == path
@@ -487,8 +487,8 @@ def test_waiting_tokens_go_out_as_one_piece():
     from types import SimpleNamespace
 
     from mlx_spec.api import GenerationChunk
-    from mlx_spec.scheduler import CANCELLED
-    from mlx_spec.server import APIError, _Server
+    from mlx_spec.serving.scheduler import CANCELLED
+    from mlx_spec.serving.server import APIError, _Server
 
     server = object.__new__(_Server)  # output() reads nothing of the server's state
     splitter = SimpleNamespace(feed=lambda text: [text] if text else [], finish=lambda: [])
