@@ -5,16 +5,9 @@ Each function draws on `ax` (a new figure when None) and returns the axes.
 
 from __future__ import annotations
 
-from mlx_spec.bench.harness import (
-    ALL,
-    AUTO,
-    PEER,
-    PLAIN,
-    SPEC_MODES,
-    BenchReport,
-    BenchResult,
-    analytic_curve,
-)
+from mlx_spec.bench.config import ALL, AUTO, PEER, PLAIN, SPEC_MODES
+from mlx_spec.bench.costs import analytic_curve
+from mlx_spec.bench.report import BenchReport, BenchResult
 
 MODE_COLORS = {
     PLAIN: "#7f7f7f",

@@ -1,9 +1,4 @@
-"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) beside
-the OpenAI one, for agent tools that speak it. Requests are turned into the same chat messages
-and tool definitions as OpenAI chat requests (one chat template, one engine, one prompt cache);
-replies come back as Anthropic content blocks (`text`, `tool_use`) or, streaming, as its events
-(`message_start`, `content_block_*`, `message_delta`, `message_stop`).
-"""
+"""The Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) beside OpenAI's."""
 
 from __future__ import annotations
 
@@ -14,30 +9,16 @@ from typing import Literal
 
 from mlx_spec.api import GenerationChunk
 from mlx_spec.serving.chat import FALLBACK_STOP
-from mlx_spec.serving.server import APIError, NamedToolChoice, SpeculativeOptions, usage
+from mlx_spec.serving.errors import APIError, anthropic_error_body
+from mlx_spec.serving.jobs import Server
+from mlx_spec.serving.openai_schemas import NamedToolChoice, SpeculativeOptions
+from mlx_spec.serving.planning import Plan, Planner
 from mlx_spec.serving.tools import ToolCall
+from mlx_spec.serving.usage import usage
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-# Anthropic's error types by status.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    499: "invalid_request_error",
-    503: "overloaded_error",
-}
-
-
-def error_body(status: int, message: str) -> dict:
-    """An error as Anthropic answers it."""
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class TextBlock(BaseModel):
@@ -168,8 +149,8 @@ def openai_tools(tools: list[Tool] | None) -> list[dict]:
     ]
 
 
-def openai_tool_choice(choice: ToolChoice | None, server):
-    """Anthropic's tool_choice as the OpenAI value `_Server.chat_ids` takes."""
+def openai_tool_choice(choice: ToolChoice | None):
+    """Anthropic's tool_choice as the OpenAI value `Planner.chat_ids` takes."""
     if choice is None or choice.type == "auto":
         return None
     if choice.type == "tool":
@@ -198,57 +179,69 @@ def _usage(last: GenerationChunk, prompt_tokens: int) -> dict:
     }
 
 
-def add_routes(app: FastAPI, server) -> None:
-    """`/v1/messages` and `/v1/messages/count_tokens` on the app of `server` (a `_Server`)."""
-
-    def plan(body: MessagesRequest):
-        server.check_model(body.model)
-        tools = openai_tools(body.tools)
-        choice = openai_tool_choice(body.tool_choice, server) if tools else None
-        ids, given, forced = server.chat_ids(chat_messages(body), tools, choice)
-        stops = list(body.stop_sequences or [])
-        if not server.templated:
-            stops.append(FALLBACK_STOP)
-        options = None if body.speculative is None else SpeculativeOptions(**body.speculative)
-        result = server.check_plan(ids, body.max_tokens, stops, options, True)
-        result.tools, result.forced_call = given, forced
-        return result
+def add_routes(app: FastAPI, server: Server, planner: Planner) -> None:
+    """`/v1/messages` and `/v1/messages/count_tokens` on the app of `server`. Requests are
+    turned into the same chat messages and tool definitions as OpenAI chat requests (one chat
+    template, one engine, one prompt cache); replies come back as Anthropic content blocks
+    (`text`, `tool_use`) or, streaming, as its events (`message_start`, `content_block_*`,
+    `message_delta`, `message_stop`)."""
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        server.check_model(body.model)
-        tools = openai_tools(body.tools)
-        choice = openai_tool_choice(body.tool_choice, server) if tools else None
-        ids, _, _ = server.chat_ids(chat_messages(body), tools, choice)
-        return {"input_tokens": len(ids)}
+        return {"input_tokens": len(prompt_ids(planner, body)[0])}
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        try:
-            the_plan = plan(body)
-        except ValueError as exc:  # the speculative field's own checks
-            raise APIError(400, str(exc), param="speculative") from exc
-        job, first, watcher = await server.start(
-            the_plan, body.temperature, body.top_p, None, request, top_k=body.top_k
+        return await handle(server, planner, body, request)
+
+
+def prompt_ids(planner: Planner, body: MessagesRequest | CountTokensRequest):
+    """The request's prompt ids, the tools given and whether a call is forced
+    (`Planner.chat_ids`)."""
+    planner.check_model(body.model)
+    tools = openai_tools(body.tools)
+    choice = openai_tool_choice(body.tool_choice) if tools else None
+    return planner.chat_ids(chat_messages(body), tools, choice)
+
+
+def plan(planner: Planner, body: MessagesRequest) -> Plan:
+    ids, given, forced = prompt_ids(planner, body)
+    stops = list(body.stop_sequences or [])
+    if not planner.templated:
+        stops.append(FALLBACK_STOP)
+    options = None if body.speculative is None else SpeculativeOptions(**body.speculative)
+    result = planner.check_plan(ids, body.max_tokens, stops, options, True)
+    result.tools, result.forced_call = given, forced
+    return result
+
+
+async def handle(server: Server, planner: Planner, body: MessagesRequest, request: Request):
+    """Plan the request, start it, and answer: a message, or its stream of events."""
+    try:
+        the_plan = plan(planner, body)
+    except ValueError as exc:  # the speculative field's own checks
+        raise APIError(400, str(exc), param="speculative") from exc
+    job, first, watcher = await server.start(
+        the_plan, body.temperature, body.top_p, None, request, top_k=body.top_k
+    )
+    splitter = the_plan.splitter(server.tokenizer)
+    splitter.id_prefix = "toolu_"
+    meta = {
+        "id": "msg_" + uuid.uuid4().hex[:24],
+        "model": server.config.model_id,
+        "prompt_tokens": len(the_plan.ids),
+    }
+    if body.stream:
+        watcher.cancel()
+        events = _events(server, job, first, splitter, meta)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-        splitter = the_plan.splitter(server.tokenizer)
-        splitter.id_prefix = "toolu_"
-        meta = {
-            "id": "msg_" + uuid.uuid4().hex[:24],
-            "model": server.config.model_id,
-            "prompt_tokens": len(the_plan.ids),
-        }
-        if body.stream:
-            watcher.cancel()
-            events = _events(server, job, first, splitter, meta)
-            return StreamingResponse(
-                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        try:
-            return await _collect(server, job, first, splitter, meta)
-        finally:
-            watcher.cancel()
-            server.engine.cancel(job)
+    try:
+        return await _collect(server, job, first, splitter, meta)
+    finally:
+        watcher.cancel()
+        server.engine.cancel(job)
 
 
 def _message(meta: dict, content: list, reason, sequence, usage: dict) -> dict:
@@ -324,6 +317,7 @@ async def _events(server, job, chunk, splitter, meta) -> AsyncIterator[str]:
         yield _event("message_delta", {"delta": delta, "usage": usage})
         yield _event("message_stop", {})
     except APIError as exc:
-        yield _event("error", {"error": error_body(exc.status, exc.message)["error"]})
+        error = anthropic_error_body(exc.status, exc.message)["error"]
+        yield _event("error", {"error": error})
     finally:
         server.engine.cancel(job)
