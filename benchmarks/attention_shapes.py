@@ -1,5 +1,5 @@
 """What a verifying pass costs at lengths the backend has not seen: MLX's attention against
-short-query attention (`mlx_spec/short_attention.py`).
+short-query attention (`mlx_spec/platform/short_attention.py`).
 
 A target pass of W tokens over a cache of L tokens, repeated with L one token longer each
 time (the cache cut back by W - 1 after each pass, as a round that accepted nothing leaves
@@ -29,9 +29,9 @@ import sys
 import time
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import short_attention
-from mlx_spec.bench import machine_info
+from mlx_spec.bench.harness import machine_info
 from mlx_spec.embedded import converted_pair
+from mlx_spec.platform import short_attention
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache

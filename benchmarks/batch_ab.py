@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before anything imports mlx)
-from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
-from mlx_spec.engine import BatchEngine, BatchRequest
-from mlx_spec.prompt_cache import RowCache
-from mlx_spec.sampling import SamplingConfig
+from mlx_spec.caches.prompt_cache import RowCache
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.engine import BatchEngine, BatchRequest
+from mlx_spec.drafters.batch import BatchDraftModel, BatchMTP, BatchNgram
 
 import mlx.core as mx
 

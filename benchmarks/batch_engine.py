@@ -21,7 +21,7 @@ Run it on any device MLX has (on a GPU the passes are memory-bound, as on a Mac,
 a few drafts per row costs little; on a 2-core CPU a batch of 8 is compute-bound already).
 
 `--compare-threads` adds plain decoding with every BLAS thread on every pass (on a CPU the
-engine otherwise sets the BLAS threads per pass width, `mlx_spec.blas_threads`).
+engine otherwise sets the BLAS threads per pass width, `mlx_spec.platform.blas_threads`).
 `--compare-joins` adds each speculative mode with every joining row taken in by every model
 drafter it may use (the policy's `join_pays` off), `--compare-plain-when-full` each with
 plain steps forced whenever the batch holds N rows (an experiment: what speculation in a full
@@ -70,19 +70,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec.batch_drafters import (
+from mlx_spec.bench.harness import machine_info
+from mlx_spec.caches.prompt_cache import RowCache
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.batch_policy import BatchChoice
+from mlx_spec.decoding.engine import BatchEngine, BatchRequest
+from mlx_spec.drafters.batch import (
     BatchDFlash,
     BatchDraftModel,
     BatchEagle3,
     BatchMTP,
     BatchNgram,
 )
-from mlx_spec.batch_policy import BatchChoice
-from mlx_spec.bench import machine_info
-from mlx_spec.compat import scored_vocab
-from mlx_spec.engine import BatchEngine, BatchRequest
-from mlx_spec.prompt_cache import RowCache
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator

@@ -41,10 +41,10 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before mlx
-from mlx_spec import distributed
-from mlx_spec.bench import builtin_prompts
+from mlx_spec.bench.harness import builtin_prompts
+from mlx_spec.core.stats import merge_stats
+from mlx_spec.decoding import distributed
 from mlx_spec.embedded import converted_pair
-from mlx_spec.stats import merge_stats
 
 from mlx_lm import stream_generate
 

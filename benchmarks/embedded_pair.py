@@ -1,7 +1,8 @@
 """Acceptance and speedup of each drafter of the embedded pair on held-out standard-library files.
 
-A thin wrapper of `mlx-spec bench` (see `mlx_spec/bench.py` for how every number is measured):
-with no model flags it runs the embedded pair; any other `mlx-spec bench` option passes through.
+A thin wrapper of `mlx-spec bench` (see `mlx_spec/bench/harness.py` for how every number is
+measured): with no model flags it runs the embedded pair; any other `mlx-spec bench` option
+passes through.
 `--summary FILE` instead prints the README's summary table of a JSON report that bench wrote:
 per drafter and temperature, the best fixed k against `auto` (k chosen every round).
 

@@ -1,8 +1,9 @@
 """What mlx-spec's CPU fast paths save per pass, each on and off in one process.
 
-`--part exp` (default): the vectorized exp (mlx_spec/fastmath.py); `--part ops`: RoPE and
-RMSNorm in fewer, fused ops (mlx_spec/fused.py); `--part layout`: linear weights stored
-column-major (mlx_spec/weight_layout.py) against a second copy of the model stored as loaded.
+`--part exp` (default): the vectorized exp (mlx_spec/platform/fastmath.py); `--part ops`: RoPE
+and RMSNorm in fewer, fused ops (mlx_spec/platform/fused.py); `--part layout`: linear weights
+stored column-major (mlx_spec/platform/weight_layout.py) against a second copy of the model
+stored as loaded.
 Times the embedded target's pass over B rows x S tokens each (a batch's plain step: S = 1; a
 verifying pass of S - 1 drafts: S > 1) and the MTP head's drafting pass, against a batch cache
 of `--context` tokens per row, without and with the fast path, interleaved (A, B, A, B, ...)
@@ -25,11 +26,11 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import fastmath, fused, weight_layout
-from mlx_spec.batch_cache import BatchCache
-from mlx_spec.bench import machine_info
-from mlx_spec.blas_threads import BlasThreads
+from mlx_spec.bench.harness import machine_info
+from mlx_spec.caches.batch import BatchCache
 from mlx_spec.embedded import converted_pair
+from mlx_spec.platform import fastmath, fused, weight_layout
+from mlx_spec.platform.blas_threads import BlasThreads
 
 import mlx.core as mx
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec.batch_cache import BatchCache
+from mlx_spec.caches.batch import BatchCache
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache

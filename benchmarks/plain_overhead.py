@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import _blas
-from mlx_spec.bench import machine_info, model_dtype, param_count
+from mlx_spec.bench.harness import machine_info, model_dtype, param_count
+from mlx_spec.platform import blas as _blas
 
 import mlx.core as mx
 import mlx_lm

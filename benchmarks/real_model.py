@@ -298,7 +298,7 @@ WORKERS = {
 def chat_prompts(path: Path, model: str, limit: int | None) -> list[dict]:
     """The prompts with their token ids through the model's chat template."""
     import mlx_spec
-    from mlx_spec.chat import chat_prompt
+    from mlx_spec.serving.chat import chat_prompt
 
     _, tokenizer = mlx_spec.load(model)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -34,15 +34,16 @@ import sys
 import time
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import bench, embedded
-from mlx_spec.compat import scored_vocab
-from mlx_spec.decode import speculative_rounds
+from mlx_spec import embedded
+from mlx_spec.bench import harness as bench
+from mlx_spec.bench.profile import PhaseTimer
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.core.stats import SpecStats
+from mlx_spec.decoding.chain import speculative_rounds
+from mlx_spec.decoding.policy import FixedDraftLength
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.ngram import NgramDrafter
-from mlx_spec.policy import FixedDraftLength
-from mlx_spec.profile import PhaseTimer
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
-from mlx_spec.stats import SpecStats
 
 import mlx.core as mx
 

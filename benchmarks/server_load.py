@@ -77,8 +77,8 @@ import time
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before anything imports mlx)
-from mlx_spec import _blas
-from mlx_spec.bench import machine_info
+from mlx_spec.bench.harness import machine_info
+from mlx_spec.platform import blas as _blas
 
 import httpx
 import mlx.core as mx
@@ -345,7 +345,7 @@ import runpy
 import mlx_spec
 import mlx.core as mx
 import mlx_lm.utils
-from mlx_spec import weight_layout
+from mlx_spec.platform import weight_layout
 _load_model = mlx_lm.utils.load_model
 def load_model(*args, **kwargs):
     model, config = _load_model(*args, **kwargs)

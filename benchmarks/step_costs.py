@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 import mlx_spec  # noqa: F401  (first: loads the optimized BLAS before anything imports mlx)
-from mlx_spec.batch_drafters import BatchMTP, BatchNgram
-from mlx_spec.batch_policy import BatchChoice
-from mlx_spec.engine import BatchEngine
+from mlx_spec.decoding.batch_policy import BatchChoice
+from mlx_spec.decoding.engine import BatchEngine
+from mlx_spec.drafters.batch import BatchMTP, BatchNgram
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batch_engine import embedded_pair, run_engine  # noqa: E402

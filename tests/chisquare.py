@@ -55,7 +55,7 @@ def exact_sequences(
 
 
 def reference_probs(logits: np.ndarray, config) -> np.ndarray:
-    """The sampling distribution in numpy, independent of mlx_spec.sampling: softmax at the
+    """The sampling distribution in numpy, independent of mlx_spec.core.sampling: softmax at the
     temperature, then top-k, top-p (the smallest most-likely prefix reaching top_p), min-p."""
     z = logits.astype(np.float64) / config.temperature
     if config.top_k:

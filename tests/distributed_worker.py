@@ -16,7 +16,7 @@ import json
 import sys
 
 import mlx_spec
-from mlx_spec import distributed
+from mlx_spec.decoding import distributed
 
 
 def drafter_for(spec: str, model):

@@ -10,14 +10,14 @@ import json
 import random
 
 import mlx_spec
-import mlx_spec.decode
-import mlx_spec.verify
-from mlx_spec.compat import scored_vocab
+import mlx_spec.core.verify
+import mlx_spec.decoding.chain
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.core.sampling import SamplingConfig, sample
+from mlx_spec.decoding.engine import BatchEngine, BatchRequest
+from mlx_spec.decoding.policy import Choice, DraftPolicy
 from mlx_spec.drafters.mtp import MTPDrafter
-from mlx_spec.engine import BatchEngine, BatchRequest
 from mlx_spec.models.mtp import MTPModule, target_layers
-from mlx_spec.policy import Choice, DraftPolicy
-from mlx_spec.sampling import SamplingConfig, sample
 
 import hfmodels as hfm
 import mlx.core as mx
@@ -135,8 +135,8 @@ def recover_from_target(target_probs, draft_probs):
 
 
 NEGATIVE_CONTROLS = {  # (module, name, stand-in)
-    "gross": (mlx_spec.decode, "rejection_verify", always_accept),
-    "subtle": (mlx_spec.verify, "residual", recover_from_target),
+    "gross": (mlx_spec.decoding.chain, "rejection_verify", always_accept),
+    "subtle": (mlx_spec.core.verify, "residual", recover_from_target),
 }
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import mlx_spec
+from mlx_spec.decoding.policy import AdaptiveDraftLength, Choice
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.policy import AdaptiveDraftLength, Choice
-from mlx_spec.session import Session
+from mlx_spec.serving.session import Session
 
 import mlx.core as mx
 import pytest

@@ -6,7 +6,7 @@ import json
 import random
 
 import mlx_spec
-from mlx_spec.cache import CacheRollback, UnsupportedCacheError
+from mlx_spec.caches.rollback import CacheRollback, UnsupportedCacheError
 
 import mlx.core as mx
 import pytest

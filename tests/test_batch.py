@@ -13,16 +13,23 @@ import random
 import time
 
 import mlx_spec
-import mlx_spec.batch_sampling
+import mlx_spec.core.batch_verify
 from convert import convert_checkpoint
-from mlx_spec.batch_cache import BatchCache, batchable
-from mlx_spec.batch_drafters import BatchDraftModel, BatchMTP, BatchNgram
-from mlx_spec.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowRecord
-from mlx_spec.compat import scored_vocab
-from mlx_spec.engine import HOLD_GROWTH, IDLE_RESET, BatchEngine, BatchRequest, StepLog, StepTrace
-from mlx_spec.prompt_cache import RowCache
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
+from mlx_spec.caches.batch import BatchCache, batchable
+from mlx_spec.caches.prompt_cache import RowCache
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowRecord
+from mlx_spec.decoding.engine import (
+    HOLD_GROWTH,
+    IDLE_RESET,
+    BatchEngine,
+    BatchRequest,
+    StepLog,
+    StepTrace,
+)
+from mlx_spec.decoding.runner import ModelRunner
+from mlx_spec.drafters.batch import BatchDraftModel, BatchMTP, BatchNgram
 
 import hfmodels as hfm
 import mlx.core as mx
@@ -282,7 +289,7 @@ def test_the_trace_keeps_the_policys_price_of_each_step(loaded, tmp_path, capsys
     the tokens and seconds the policy priced it at: tokens within what its rows could emit,
     a positive time; a follow step repeats its switch step's plan unpriced; plain steps have
     no price. `mlx-spec steps` lays them beside what the steps realised."""
-    from mlx_spec import step_timeline as timeline
+    from mlx_spec.bench import step_timeline as timeline
 
     model, tok, draft, _ = loaded["llama"]
     engine = engine_for(model, tok, {"draft-model": BatchDraftModel(draft)}, max_batch=4)
@@ -351,7 +358,7 @@ def test_step_log_writes_each_step_as_it_runs(loaded, tmp_path):
     drafters = {"ngram": BatchNgram(), "draft-model": BatchDraftModel(draft)}
     engine = engine_for(model, tok, drafters, max_batch=3)
     assert [tokens for tokens, _ in run_all(engine, requests)] == [t for t, _ in first]
-    from mlx_spec import step_timeline as timeline
+    from mlx_spec.bench import step_timeline as timeline
 
     read = timeline.load(str(path))
     assert [step["tokens"] for step in read] == [step["tokens"] for step in steps]
@@ -759,7 +766,7 @@ def test_narrowed_heads_give_the_logits_at_the_positions_asked(loaded, mtp_targe
     model's head narrowed from outside (an lm_head, or gemma3's tied embedding) and the MTP
     head's own `at` give the full pass's logits there (and the MTP head's fed-back state
     there), and the draft model is itself again afterwards."""
-    from mlx_spec.hidden import head_positions
+    from mlx_spec.caches.taps import head_positions
 
     draft = loaded[family][2]
     x = mx.array([[3, 4, 5, 6], [7, 8, 9, 10]], mx.uint32)
@@ -782,7 +789,7 @@ def test_a_narrowed_head_still_records_every_position(checkpoints, tap_first):
     """The engine narrows the target's head to each prefilled row's last position (no other
     position's logits are read); a recording tap on the same head (the features an MTP head
     reads) still holds every position, whichever of the two wrappers the head took first."""
-    from mlx_spec.hidden import head_positions, tap_hidden
+    from mlx_spec.caches.taps import head_positions, tap_hidden
 
     model, _ = mlx_spec.load(str(checkpoints["llama"][0]))  # a fresh head, wrapped here only
     for wrap in (tap_hidden, head_positions) if tap_first else (head_positions, tap_hidden):
@@ -1006,16 +1013,16 @@ def test_batched_negative_controls_fail(pair, monkeypatch, control):
     """The same test rejects a batch verifier that accepts every draft and one that draws the
     recovered token from the target's distribution instead of the residual."""
     if control == "gross":
-        original = mlx_spec.batch_sampling.batch_verify
+        original = mlx_spec.core.batch_verify.batch_verify
 
         def always(target_probs, draft_probs, draft_tokens, num_drafted, uniforms, noise):
             return original(
                 target_probs, draft_probs, draft_tokens, num_drafted, uniforms * 0 - 1e9, noise
             )
 
-        monkeypatch.setattr("mlx_spec.engine.batch_verify", always)
+        monkeypatch.setattr("mlx_spec.decoding.engine.batch_verify", always)
     else:
-        monkeypatch.setattr(mlx_spec.batch_sampling, "residual", _recover_from_target)
+        monkeypatch.setattr(mlx_spec.core.batch_verify, "residual", _recover_from_target)
     samples = batch_samples(pair, CONFIGS[0], busy=False)
     assert chisquare_pvalue(samples, exact_distribution(pair[0], CONFIGS[0])) < ALPHA
 
@@ -2007,7 +2014,7 @@ def _lone_user(
     asks their levels and its ledger (`BatchEngine._pace`, a slack of 2%) their `behind`,
     as the engine's rows do. Returns the tokens per ms of the requests from `measured_from`
     on and the requests that joined."""
-    from mlx_spec.batch_policy import RowRecord
+    from mlx_spec.decoding.batch_policy import RowRecord
 
     rng, tokens, ms, joins = random.Random(seed), 0, 0.0, 0
     for request in range(requests):
@@ -2109,7 +2116,7 @@ def test_a_rows_record_weighs_its_recent_rounds_most():
     """A row whose first rounds kept nothing and whose last ones kept everything stands
     above the drafter's acceptance: its record weighs each round `RowRecord.DECAY` times
     the next."""
-    from mlx_spec.batch_policy import RowRecord
+    from mlx_spec.decoding.batch_policy import RowRecord
 
     policy = BatchDraftPolicy(["mtp"])
     for _ in range(30):  # the head keeps half its drafts over all rows
@@ -2349,7 +2356,7 @@ def test_a_shapes_first_step_that_built_its_kernels_prices_nothing():
     cost 17 ms on an H100 where the next ones cost 4.5. Set aside (over twice its price), it
     neither prices its width nor the switch; the next step of the shape does, and a
     shape's first step at its price counts."""
-    from mlx_spec.batch_policy import _Costs
+    from mlx_spec.decoding.batch_policy import _Costs
 
     costs = _Costs()
     for _ in range(5):
@@ -2369,7 +2376,7 @@ def test_turnover_is_taken_off_the_steps_that_carried_it():
     """Rows joining or leaving make the next step dearer whatever its K: plain steps that
     carried it teach its cost (their own average untouched), and a speculative step that
     carried it is priced without it; a switch step's excess goes apart from its width."""
-    from mlx_spec.batch_policy import _Costs
+    from mlx_spec.decoding.batch_policy import _Costs
 
     costs = _Costs()
     for _ in range(5):
@@ -2396,7 +2403,7 @@ def test_batchable_families(loaded):
 def test_batch_costs_keep_catch_up_apart():
     """Steps whose drafters first catch up on what piled up over plain steps: the fit puts
     that cost on the catch-up tokens, not on the fixed part every speculative step pays."""
-    from mlx_spec.batch_policy import _Costs
+    from mlx_spec.decoding.batch_policy import _Costs
 
     costs, rng = _Costs(), random.Random(0)
     for _ in range(20):
@@ -2541,7 +2548,7 @@ def test_a_mixed_sets_hope_counts_its_chained_drafters_passes():
     """Only steps whose drafters are all chained measure their passes; a group's step where
     some rows draft with the MTP head (chained) and others with the lookup is bound by the
     head's own measured cost per draft, at the largest size measured up to its own."""
-    from mlx_spec.batch_policy import _Costs
+    from mlx_spec.decoding.batch_policy import _Costs
 
     costs = _Costs()
     for _ in range(3):
@@ -2559,7 +2566,7 @@ def test_a_rows_own_acceptance_sets_its_level_and_rows_alike_merge():
     """A row that kept few of its drafts is planned with less acceptance than the drafter's
     over all rows (and one that kept many with more), shrunk towards it while its counts
     are few; rows at the same level merge into one ask."""
-    from mlx_spec.batch_policy import RowRecord, _Merged
+    from mlx_spec.decoding.batch_policy import RowRecord, _Merged
 
     policy = BatchDraftPolicy(["ngram"])
     for _ in range(30):  # the lookup keeps half its drafts over all rows
@@ -2586,7 +2593,7 @@ def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
     was barred through a whole server run by two such windows). Once its allowed steps
     have drafted with it, the guard judges it as before: where they realise less, it is
     barred."""
-    from mlx_spec.batch_policy import _Guard
+    from mlx_spec.decoding.batch_policy import _Guard
 
     def windows(guard, count, allowed_seconds, drafted):
         barred = []

@@ -13,14 +13,14 @@ import random
 
 import mlx_spec
 from convert import convert_checkpoint
-from mlx_spec.batch_drafters import BatchDFlash, BatchEagle3, BatchNgram
-from mlx_spec.batch_sampling import RowRandom
+from mlx_spec.caches.prompt_cache import RowCache
+from mlx_spec.core.batch_verify import RowRandom
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.runner import ModelRunner
+from mlx_spec.drafters.batch import BatchDFlash, BatchEagle3, BatchNgram
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
-from mlx_spec.prompt_cache import RowCache
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
+from mlx_spec.serving.server import ServerConfig, create_app, drafter_factories
 
 import hfmodels as hfm
 import httpx

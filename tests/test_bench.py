@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_spec import bench, cli
-from mlx_spec.stats import SpecStats
+from mlx_spec import cli
+from mlx_spec.bench import harness as bench
+from mlx_spec.core.stats import SpecStats
 
 import numpy as np
 import pytest
@@ -376,7 +377,7 @@ def test_batch_engine_trace_splits_the_wall_time_and_the_reasons(capsys):
     """benchmarks/batch_engine.py `--trace`: the wall time's shares (plain, speculative and
     catch-up steps, the rest) and the speculative steps' by the policy's reason, each with
     the share of them that caught up, as printed and as kept in the JSON record."""
-    from mlx_spec.engine import StepTrace
+    from mlx_spec.decoding.engine import StepTrace
 
     trace = [
         StepTrace(8, 0, 0, 8, 0.0, 0.0, 0.0, 0.010, 0.0),  # a plain step: 10 ms
@@ -403,7 +404,7 @@ def test_pass_width_shrinks_the_architecture_to_time_its_overhead(tmp_path):
     """benchmarks/pass_width.py --overhead: the model's architecture (its layers, heads,
     vocabulary, cache) with 8 dimensions a head and an MLP of 16, random float32 weights,
     runs the same batched passes as the model (what a pass costs whatever its weights)."""
-    from mlx_spec.batch_cache import BatchCache
+    from mlx_spec.caches.batch import BatchCache
 
     import mlx.core as mx
     import tinymodels as tm

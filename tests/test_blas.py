@@ -24,7 +24,7 @@ import sys
 if sys.argv[2] == "late":
     import mlx.core  # before mlx_spec: too late to swap the BLAS in
 import mlx_spec
-from mlx_spec import _blas
+from mlx_spec.platform import blas as _blas
 import mlx.core as mx
 import numpy as np
 

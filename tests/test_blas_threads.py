@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import ctypes
 
-import mlx_spec.blas_threads as bt
-from mlx_spec.batch_drafters import BatchDraftModel
-from mlx_spec.blas_threads import MAX_WIDTH, BlasThreads
-from mlx_spec.compat import scored_vocab
-from mlx_spec.engine import BatchEngine
+import mlx_spec.platform.blas_threads as bt
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.decoding.engine import BatchEngine
+from mlx_spec.drafters.batch import BatchDraftModel
+from mlx_spec.platform.blas_threads import MAX_WIDTH, BlasThreads
 
 import mlx.nn as nn
 import pytest

@@ -3,8 +3,8 @@ gives the same logits as a fresh run on the kept tokens."""
 
 from __future__ import annotations
 
-from mlx_spec.cache import CacheRollback, RollbackError, UnsupportedCacheError
-from mlx_spec.runner import ModelRunner
+from mlx_spec.caches.rollback import CacheRollback, RollbackError, UnsupportedCacheError
+from mlx_spec.decoding.runner import ModelRunner
 
 import mlx.core as mx
 import pytest

@@ -73,11 +73,11 @@ def test_negative_control_detects_a_wrong_weight(tmp_path):
 def _batch_engine_agrees(model, tokenizer, prompt, plain, windows):
     """The batch engine learns the windows from the model's caches and masks by position: with
     n-gram drafts its greedy tokens equal plain decoding (two rows, past the window)."""
-    from mlx_spec.batch_cache import BatchCache
-    from mlx_spec.batch_drafters import BatchNgram
-    from mlx_spec.compat import scored_vocab
-    from mlx_spec.engine import BatchEngine, BatchRequest
-    from mlx_spec.sampling import SamplingConfig
+    from mlx_spec.caches.batch import BatchCache
+    from mlx_spec.core.compat import scored_vocab
+    from mlx_spec.core.sampling import SamplingConfig
+    from mlx_spec.decoding.engine import BatchEngine, BatchRequest
+    from mlx_spec.drafters.batch import BatchNgram
 
     assert set(BatchCache(model, 1).groups) == windows
     engine = BatchEngine(model, tokenizer, scored_vocab(model, tokenizer), {"ngram": BatchNgram()})

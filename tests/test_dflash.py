@@ -10,9 +10,9 @@ import json
 
 import mlx_spec
 from convert import convert_checkpoint
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.dflash import DFlashDrafter, load_dflash_drafter
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
 import mlx.core as mx

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import mlx_spec
-from mlx_spec.distill import CHECKPOINT, DistillConfig, Distiller, run_distill
+from mlx_spec.training.distill import CHECKPOINT, DistillConfig, Distiller, run_distill
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +36,7 @@ def target_writes_once():
     """The target writes its text once: every run here distills the same target with the same
     seed, and `generate_tokens` is deterministic, so each later run gets exactly the tokens it
     would have written itself (a run still goes through its own data cache and resume)."""
-    import mlx_spec.distill as distill
+    import mlx_spec.training.distill as distill
 
     original, written = distill.generate_tokens, {}
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import mlx_spec
 from convert import convert_checkpoint
-from mlx_spec.sampling import SamplingConfig
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.serving.server import ServerConfig, create_app, drafter_factories
 
 import hfmodels as hfm
 import httpx
@@ -388,7 +388,7 @@ def test_drafters_a_sharded_target_cannot_run_are_refused():
     pass."""
     from types import SimpleNamespace
 
-    from mlx_spec import distributed
+    from mlx_spec.decoding import distributed
 
     import mlx.core as mx
     import mlx.nn as nn

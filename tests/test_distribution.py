@@ -9,12 +9,12 @@ distribution from the same samples."""
 from __future__ import annotations
 
 import mlx_spec
-import mlx_spec.decode
-import mlx_spec.verify
+import mlx_spec.core.verify
+import mlx_spec.decoding.chain
 from mlx_spec import DraftModelDrafter
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.policy import AdaptiveDraftLength
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.policy import AdaptiveDraftLength
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import numpy as np

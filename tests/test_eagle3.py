@@ -10,10 +10,10 @@ import json
 
 import mlx_spec
 from convert import convert_checkpoint
+from mlx_spec.caches.taps import tap_layers
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
-from mlx_spec.hidden import tap_layers
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
 import mlx.core as mx
@@ -267,7 +267,7 @@ def test_eagle3_tree_equals_plain_and_its_first_branch_is_the_chain(target, head
 def test_wrappers_ask_for_the_same_features(target, heads):
     """A wrapped drafter (the bench's timing wrapper, a group) makes the runner record the
     layers the drafter reads, not the final hidden states."""
-    from mlx_spec.bench import TimedDrafter
+    from mlx_spec.bench.harness import TimedDrafter
     from mlx_spec.drafters.base import hidden_wanted
     from mlx_spec.drafters.group import DrafterGroup
     from mlx_spec.drafters.ngram import NgramDrafter

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 import mlx_spec  # first: loads the optimized BLAS before mlx
-from mlx_spec import fastmath
+from mlx_spec.platform import fastmath
 
 import mlx.core as mx
 import numpy as np

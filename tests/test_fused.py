@@ -1,10 +1,11 @@
-"""RoPE and RMSNorm in fewer ops on the CPU (mlx_spec/fused.py): bitwise MLX's own results."""
+"""RoPE and RMSNorm in fewer ops on the CPU (mlx_spec/platform/fused.py): bitwise MLX's own
+results."""
 
 import io
 import re
 
-from mlx_spec import fused
-from mlx_spec.batch_cache import BatchCache
+from mlx_spec.caches.batch import BatchCache
+from mlx_spec.platform import fused
 
 import mlx.core as mx
 import pytest

@@ -8,17 +8,17 @@ import json
 import shutil
 
 import mlx_spec
-import mlx_spec.decode
+import mlx_spec.decoding.chain
 from mlx_spec import cli
-from mlx_spec.cache import CacheRollback
+from mlx_spec.caches.rollback import CacheRollback
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.gemma4_assistant import (
     Gemma4AssistantDrafter,
     load_gemma4_assistant,
     window_kv,
 )
 from mlx_spec.models.gemma4_assistant import AssistantArgs, load_assistant
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
 import mlx.core as mx
@@ -244,7 +244,7 @@ def test_session_turns_reuse_the_cache(gemma):
     """In a session the assistant follows the target's cache across turns: turn two (turn one's
     prompt + reply + new tokens, and then a prompt that is a prefix of the cached tokens)
     decodes what plain decoding does, prefilling only the new tokens."""
-    from mlx_spec.session import Session
+    from mlx_spec.serving.session import Session
 
     model, tok = gemma["target"]
     session = Session(model, tok, drafter=load_gemma4_assistant(gemma["copy"][0], model))

@@ -1,4 +1,4 @@
-"""malloc keeping freed memory for the next pass (`mlx_spec.heap`, Linux with glibc)."""
+"""malloc keeping freed memory for the next pass (`mlx_spec.platform.heap`, Linux with glibc)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ buffer = libc.malloc(size)
 ctypes.memset(buffer, 1, size)
 before = resident()
 libc.free(buffer)
-print(mlx_spec.heap._state["installed"], before - resident())
+print(mlx_spec.platform.heap._state["installed"], before - resident())
 """
 
 

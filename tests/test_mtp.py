@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import mlx_spec
-import mlx_spec.decode
+import mlx_spec.decoding.chain
 from convert import Quantization, convert_checkpoint
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.branching import BranchingMTP
 from mlx_spec.drafters.mtp import MTPDrafter, load_mtp_drafter
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
 
 import hfmodels as hfm
 import mlx.core as mx

@@ -46,7 +46,7 @@ def kernel_env(tmp_path_factory):
 SHORT_BENCH = """
 from dataclasses import replace as _replace
 
-from mlx_spec import bench as _bench
+from mlx_spec.bench import harness as _bench
 
 _run_bench = _bench.run_bench
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from mlx_spec.policy import AdaptiveDraftLength, Choice, FixedDraftLength
+from mlx_spec.decoding.policy import AdaptiveDraftLength, Choice, FixedDraftLength
 
 import pytest
 

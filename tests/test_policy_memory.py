@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx_spec
 from mlx_spec.api import make_policy
-from mlx_spec.sampling import SamplingConfig
+from mlx_spec.core.sampling import SamplingConfig
 
 from helpers import with_eos
 

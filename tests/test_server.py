@@ -10,8 +10,8 @@ import time
 
 import mlx_spec
 from mlx_spec.api import encode_prompt
-from mlx_spec.chat import FALLBACK_STOP, fallback_prompt
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
+from mlx_spec.serving.chat import FALLBACK_STOP, fallback_prompt
+from mlx_spec.serving.server import ServerConfig, create_app, drafter_factories
 
 import httpx
 import openai
@@ -443,7 +443,7 @@ def test_serve_pace_slack_reaches_the_engine(target):
     """`--pace-slack` (a share, or 'off') is parsed and handed to the batch engine; a value
     outside [0, 1) is refused by the parser with its reason."""
     from mlx_spec.cli import build_parser
-    from mlx_spec.server import ServerConfig, batch_engine
+    from mlx_spec.serving.server import ServerConfig, batch_engine
 
     parser = build_parser()
     assert parser.parse_args(["serve"]).pace_slack is None
@@ -461,17 +461,18 @@ def test_serve_pace_slack_reaches_the_engine(target):
 def test_serve_trace_steps_reaches_the_engine(target, tmp_path):
     """`--trace-steps FILE` gives the batch engine a `StepLog` on FILE; a file that cannot be
     written, or the flag with --no-batching, is a clear error before the model loads."""
-    from mlx_spec.cli import _trace_file, build_parser, main
-    from mlx_spec.engine import StepLog
-    from mlx_spec.server import ServerConfig, batch_engine
+    from mlx_spec.cli import build_parser, main
+    from mlx_spec.cli.serve import trace_file
+    from mlx_spec.decoding.engine import StepLog
+    from mlx_spec.serving.server import ServerConfig, batch_engine
 
     path = str(tmp_path / "steps.jsonl")
     assert build_parser().parse_args(["serve", "--trace-steps", path]).trace_steps == path
-    assert _trace_file(None, False) is None and _trace_file(path, False) == path
+    assert trace_file(None, False) is None and trace_file(path, False) == path
     with pytest.raises(ValueError, match="no-batching"):
-        _trace_file(path, True)
+        trace_file(path, True)
     with pytest.raises(ValueError, match="cannot write"):
-        _trace_file(str(tmp_path / "missing" / "steps.jsonl"), False)
+        trace_file(str(tmp_path / "missing" / "steps.jsonl"), False)
     assert main(["serve", "--trace-steps", str(tmp_path / "missing" / "x.jsonl")]) != 0
     model, tok, _ = target
     engine = batch_engine(model, tok, ServerConfig(trace_steps=path), {})
@@ -480,17 +481,18 @@ def test_serve_trace_steps_reaches_the_engine(target, tmp_path):
 
 
 def test_waiting_tokens_go_out_as_one_piece():
-    """`_Server.output`: the token chunks already queued behind a chunk (a speculative step's
+    """`Server.output`: the token chunks already queued behind a chunk (a speculative step's
     tokens, or a reader behind the engine) come out as one string; the last chunk, or an
     error, still comes after the text before it; a token arriving later is a piece of its
     own."""
     from types import SimpleNamespace
 
     from mlx_spec.api import GenerationChunk
-    from mlx_spec.scheduler import CANCELLED
-    from mlx_spec.server import APIError, _Server
+    from mlx_spec.serving.jobs import Server
+    from mlx_spec.serving.scheduler import CANCELLED
+    from mlx_spec.serving.server import APIError
 
-    server = object.__new__(_Server)  # output() reads nothing of the server's state
+    server = object.__new__(Server)  # output() reads nothing of the server's state
     splitter = SimpleNamespace(feed=lambda text: [text] if text else [], finish=lambda: [])
 
     async def run(later, *queued):

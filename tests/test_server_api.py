@@ -10,10 +10,10 @@ import json
 from types import SimpleNamespace
 
 import mlx_spec
-from mlx_spec.chat import fallback_prompt
-from mlx_spec.scheduler import Engine, Job
-from mlx_spec.server import ServerConfig, create_app, drafter_factories
-from mlx_spec.session import PREFILLING, Session
+from mlx_spec.serving.chat import fallback_prompt
+from mlx_spec.serving.scheduler import Engine, Job
+from mlx_spec.serving.server import ServerConfig, create_app, drafter_factories
+from mlx_spec.serving.session import PREFILLING, Session
 
 import anthropic
 import httpx

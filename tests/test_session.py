@@ -5,7 +5,7 @@ decodes (greedy, token for token)."""
 from __future__ import annotations
 
 import mlx_spec
-from mlx_spec.session import Session, common_prefix
+from mlx_spec.serving.session import Session, common_prefix
 
 import pytest
 from conftest import FAMILIES

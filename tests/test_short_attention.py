@@ -1,13 +1,14 @@
-"""Short-query attention in ordinary ops (mlx_spec/short_attention.py): MLX's results, and the
-decoders' tokens unchanged when every verifying pass goes through it."""
+"""Short-query attention in ordinary ops (mlx_spec/platform/short_attention.py): MLX's results,
+and the decoders' tokens unchanged when every verifying pass goes through it."""
 
 from __future__ import annotations
 
 import mlx_spec
-from mlx_spec import DraftModelDrafter, short_attention
-from mlx_spec.batch_drafters import BatchDraftModel, BatchNgram
-from mlx_spec.compat import scored_vocab
-from mlx_spec.prompt_cache import RowCache
+from mlx_spec import DraftModelDrafter
+from mlx_spec.caches.prompt_cache import RowCache
+from mlx_spec.core.compat import scored_vocab
+from mlx_spec.drafters.batch import BatchDraftModel, BatchNgram
+from mlx_spec.platform import short_attention
 
 import mlx.core as mx
 import pytest

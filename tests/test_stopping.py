@@ -7,8 +7,8 @@ decoding token for token; every expectation below is derived from a plain run.
 from __future__ import annotations
 
 import mlx_spec
+from mlx_spec.core.stopping import StopMatcher
 from mlx_spec.drafters.base import Drafter
-from mlx_spec.stopping import StopMatcher
 
 import pytest
 import tinymodels as tm

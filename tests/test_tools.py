@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import mlx_spec
-from mlx_spec.prompt_cache import PromptCache, parse_bytes
-from mlx_spec.session import Session
-from mlx_spec.tools import ToolCall, ToolCallStream, template_messages
+from mlx_spec.caches.prompt_cache import PromptCache, parse_bytes
+from mlx_spec.serving.session import Session
+from mlx_spec.serving.tools import ToolCall, ToolCallStream, template_messages
 
 import pytest
 from mlx_lm.tool_parsers import json_tools

@@ -7,9 +7,9 @@ multi-candidate rule, and the output follows the target's exact distribution."""
 from __future__ import annotations
 
 import mlx_spec
+from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.drafters.branching import BranchingDraftModel, BranchingMTP
 from mlx_spec.drafters.eagle3 import load_eagle3_drafter
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import pytest
@@ -126,7 +126,7 @@ def test_sampled_trees_keep_the_target_distribution(pair):
 def test_sampled_tree_negative_control_fails(pair, monkeypatch):
     """Trying the second drawn candidate against p itself instead of the residual after the
     first is rejected changes the distribution, and the test above sees it."""
-    import mlx_spec.tree as tree_module
+    import mlx_spec.decoding.tree as tree_module
 
     model, tok, draft, _ = pair
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)

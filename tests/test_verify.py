@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mlx_spec.sampling import SamplingConfig, logits_to_probs, sample
-from mlx_spec.verify import greedy_verify, rejection_verify
+from mlx_spec.core.sampling import SamplingConfig, logits_to_probs, sample
+from mlx_spec.core.verify import greedy_verify, rejection_verify
 
 import mlx.core as mx
 import numpy as np

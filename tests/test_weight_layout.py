@@ -1,7 +1,7 @@
-"""Linear weights stored column-major on the CPU (mlx_spec/weight_layout.py)."""
+"""Linear weights stored column-major on the CPU (mlx_spec/platform/weight_layout.py)."""
 
 import mlx_spec
-from mlx_spec import weight_layout
+from mlx_spec.platform import weight_layout
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from mlx_spec.sampling import SamplingConfig
+from mlx_spec.core.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn

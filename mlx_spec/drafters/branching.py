@@ -12,9 +12,9 @@ distribution. Either way the output stays exactly the target's.
 
 from __future__ import annotations
 
+from mlx_spec.core.sampling import SamplingConfig, logits_to_probs, sample
+from mlx_spec.decoding.tree import PREFILL_STEP, TokenTree, TreeDrafter, TreeTarget
 from mlx_spec.models.mtp import MTPModule, target_hidden_size
-from mlx_spec.sampling import SamplingConfig, logits_to_probs, sample
-from mlx_spec.tree import PREFILL_STEP, TokenTree, TreeDrafter, TreeTarget
 
 import mlx.core as mx
 import mlx.nn as nn

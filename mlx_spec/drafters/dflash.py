@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlx_spec.caches.taps import decoder_layers
+from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.drafters.draft_model import CATCH_UP, pick_token
-from mlx_spec.hidden import decoder_layers
 from mlx_spec.models.dflash import DFlashModel, build_dflash
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn

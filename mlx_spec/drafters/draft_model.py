@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mlx_spec.compat import check_model_covers_vocab, check_same_tokenizer
+from mlx_spec.core.compat import check_model_covers_vocab, check_same_tokenizer
+from mlx_spec.core.sampling import SamplingConfig, greedy, logits_to_probs, sample
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.base import Draft, Drafter, unique_id
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig, greedy, logits_to_probs, sample
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlx_spec.caches.taps import decoder_layers
 from mlx_spec.drafters.mtp import MTPDrafter
-from mlx_spec.hidden import decoder_layers
 from mlx_spec.models.eagle3 import Eagle3Head, build_eagle3
 
 import mlx.nn as nn

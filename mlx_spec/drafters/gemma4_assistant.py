@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.drafters.draft_model import pick_token
 from mlx_spec.models.gemma4_assistant import (
@@ -21,7 +22,6 @@ from mlx_spec.models.gemma4_assistant import (
     load_assistant,
     read_config,
 )
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.drafters.base import Draft, Drafter, hidden_wanted
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import random
 
-from mlx_spec.sampling import SamplingConfig
-from mlx_spec.tree import SideBranch, TokenTree, TreeDrafter
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.tree import SideBranch, TokenTree, TreeDrafter
 
 import mlx.core as mx
 import numpy as np

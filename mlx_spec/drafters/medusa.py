@@ -23,8 +23,8 @@ import json
 import re
 from pathlib import Path
 
-from mlx_spec.sampling import SamplingConfig
-from mlx_spec.tree import TokenTree, TreeDrafter
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.tree import TokenTree, TreeDrafter
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlx_spec import weight_layout
+from mlx_spec.core.sampling import SamplingConfig
+from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.base import Draft, Drafter, unique_id
 from mlx_spec.drafters.draft_model import CATCH_UP, context_budget, draft_steps
 from mlx_spec.models.mtp import MTPModule, target_hidden_size, target_layers
-from mlx_spec.runner import ModelRunner
-from mlx_spec.sampling import SamplingConfig
+from mlx_spec.platform import weight_layout
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.sampling import SamplingConfig
 
 import mlx.core as mx
 import numpy as np

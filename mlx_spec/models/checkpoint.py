@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlx_spec import weight_layout
+from mlx_spec.platform import weight_layout
 
 import mlx.core as mx
 import mlx.nn as nn

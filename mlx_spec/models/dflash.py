@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_spec.hidden import decoder_layers, find_embedding, find_head
+from mlx_spec.caches.taps import decoder_layers, find_embedding, find_head
 from mlx_spec.models.blocks import SwiGLU, shaped_like
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 

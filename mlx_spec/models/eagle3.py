@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_spec.hidden import at_positions, decoder_layers, find_embedding
+from mlx_spec.caches.taps import at_positions, decoder_layers, find_embedding
 from mlx_spec.models.blocks import SwiGLU, shaped_like
 from mlx_spec.models.checkpoint import cast_floats, load_checked, read_checkpoint
 
@@ -271,7 +271,7 @@ def eagle3_for(target: nn.Module, target_config: dict, draft_ids=None) -> Eagle3
     shaped like the target's, reading the default layers, drafting over the target ids
     `draft_ids` (ascending; None: the whole vocabulary, no d2t); its output head starts as
     the target's rows of those ids."""
-    from mlx_spec.hidden import find_head
+    from mlx_spec.caches.taps import find_head
 
     shape = shaped_like(target_config)
     vocab = target_config.get("text_config", target_config)["vocab_size"]

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlx_spec import weight_layout
+from mlx_spec.platform import weight_layout
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 
-from mlx_spec.hidden import at_positions, find_embedding, find_head
+from mlx_spec.caches.taps import at_positions, find_embedding, find_head
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -32,7 +32,7 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """The token ids of a one-turn conversation asking `prompt`, ready for the answer."""
-    from mlx_spec.chat import chat_prompt
+    from mlx_spec.serving.chat import chat_prompt
 
     text = chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -65,9 +65,9 @@ def write_answers(
     """The model's answer to every prompt at every temperature, in `path` (JSON lines:
     index, temperature, prompt_ids, answer_ids, finish_reason); answers already there are kept.
     Returns the records in (prompt, temperature) order."""
-    from mlx_spec.compat import scored_vocab
-    from mlx_spec.engine import BatchEngine, BatchRequest
-    from mlx_spec.sampling import SamplingConfig
+    from mlx_spec.core.compat import scored_vocab
+    from mlx_spec.core.sampling import SamplingConfig
+    from mlx_spec.decoding.engine import BatchEngine, BatchRequest
 
     from tqdm import tqdm
 

@@ -100,7 +100,7 @@ class TeacherCache:
     def fill(self, target, progress: bool = True, also: tuple[int, ...] = ()) -> None:
         """Compute the chunks not on disk yet (a progress bar shows them), keeping the features
         of `also` too (for another drafter that will share the folder), then load them."""
-        from mlx_spec.hidden import tap_layers
+        from mlx_spec.caches.taps import tap_layers
 
         from tqdm import tqdm
 
