@@ -109,7 +109,7 @@ class Chat:
         system: optional system prompt.
         max_tokens: tokens per reply at most.
         sampling: `temperature`, `top_p`, `top_k`, `min_p`, `seed` for `Session.stream`.
-        out, err: where replies and notices go.
+        out, err: where replies and notices go (default: standard output and error).
     """
 
     def __init__(
@@ -119,14 +119,14 @@ class Chat:
         system: str | None = None,
         max_tokens: int = 512,
         sampling: dict | None = None,
-        out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
     ):
         self.session = session
         self.system = system
         self.max_tokens = max_tokens
         self.sampling = dict(sampling or {})
-        self.out, self.err = out, err
+        self.out, self.err = out or sys.stdout, err or sys.stderr  # read now, not at import
         self.templated = has_chat_template(session.tokenizer)
         self.stop = () if self.templated else (FALLBACK_STOP,)
         self.messages: list[dict] = []
