@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from convert.classes import model_classes
 from convert.errors import ConversionError
 from convert.fetch import resolve_gguf, resolve_source
 from convert.layouts import rewrite
@@ -22,6 +23,7 @@ from convert.mtp_build import build_mtp_module
 from convert.normalize import normalize_config
 from convert.safetensors_check import list_tensors
 from mlx_spec.core.compat import copy_tokenizer_files
+from mlx_spec.core.version import VERSION
 from mlx_spec.drafters.medusa import (
     MedusaHeads,
     load_medusa_heads,
@@ -48,7 +50,7 @@ from mlx_spec.models.eagle3 import (
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+from mlx_lm.utils import quantize_model, save_config, save_model
 
 DTYPES = ("float16", "bfloat16", "float32")
 MTP_DIR = "mtp"
@@ -104,21 +106,6 @@ def atomic_directory(dest: Path, force: bool):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _model_classes(config: dict):
-    if "model_type" not in config:
-        raise ConversionError("config.json has no model_type")
-    try:
-        return _get_classes(config)
-    except ValueError as exc:
-        raise ConversionError(
-            f"unknown architecture {config['model_type']!r}: mlx-lm has no model for it"
-        ) from exc
-    except (ImportError, SystemExit) as exc:  # mlx-lm's module needs a package that is missing
-        raise ConversionError(
-            f"mlx-lm's {config['model_type']} model cannot be imported here ({exc})"
-        ) from exc
-
-
 def _check_loadable(config: dict) -> None:
     if "quantization" in config:
         raise ConversionError("this is already an MLX checkpoint (config has 'quantization')")
@@ -131,7 +118,7 @@ def _check_loadable(config: dict) -> None:
 
 def build_target(config: dict, weights: dict[str, mx.array]) -> nn.Module:
     """The mlx-lm model of `config` holding `weights`; every name and shape is checked."""
-    model_cls, args_cls = _model_classes(config)
+    model_cls, args_cls = model_classes(config)
     try:
         model = model_cls(args_cls.from_dict(config))
     except (TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
@@ -267,9 +254,7 @@ def _own_version() -> str:
     try:
         return version("mlx-spec")
     except PackageNotFoundError:
-        import mlx_spec
-
-        return mlx_spec.__version__
+        return VERSION
 
 
 def _provenance(hf_path: str, revision, dtype: str, quant, mtp_dir: str | None) -> dict:

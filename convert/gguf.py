@@ -343,9 +343,9 @@ def _check_shape(t: GGUFTensor) -> None:
 def build_model(config: dict, tensors: Tensors) -> nn.Module:
     """mlx-lm's model of `config` holding `tensors`, the quantized modules quantized as given;
     every name and shape is checked against the model."""
-    from convert.core import _model_classes
+    from convert.classes import model_classes
 
-    model_cls, args_cls = _model_classes(config)
+    model_cls, args_cls = model_classes(config)
     try:
         model = model_cls(args_cls.from_dict(config))
     except (TypeError, KeyError, ValueError) as exc:

@@ -24,10 +24,15 @@ from mlx_spec.platform import short_attention  # noqa: E402
 
 short_attention.install()  # CUDA builds a kernel per shape of a multi-query attention
 
-from mlx_spec.api import (  # noqa: E402
-    GenerationChunk,
-    GenerationResult,
-    generate,
+from mlx_spec.api import GenerationChunk, GenerationResult, generate, stream_generate  # noqa: E402
+from mlx_spec.core.sampling import SamplingConfig  # noqa: E402
+from mlx_spec.core.stats import SpecStats  # noqa: E402
+from mlx_spec.core.version import VERSION as __version__  # noqa: E402
+from mlx_spec.drafters.base import Draft, Drafter  # noqa: E402
+from mlx_spec.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from mlx_spec.drafters.gemma4_assistant import load_gemma4_assistant  # noqa: E402
+from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
+from mlx_spec.loading import (  # noqa: E402
     load,
     load_branching_drafter,
     load_branching_mtp,
@@ -37,19 +42,11 @@ from mlx_spec.api import (  # noqa: E402
     load_eagle3_tree,
     load_medusa_drafter,
     load_mtp_drafter,
-    stream_generate,
 )
-from mlx_spec.core.sampling import SamplingConfig  # noqa: E402
-from mlx_spec.core.stats import SpecStats  # noqa: E402
-from mlx_spec.drafters.base import Draft, Drafter  # noqa: E402
-from mlx_spec.drafters.draft_model import DraftModelDrafter  # noqa: E402
-from mlx_spec.drafters.gemma4_assistant import load_gemma4_assistant  # noqa: E402
-from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
 from mlx_spec.serving.session import Session  # noqa: E402
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "Draft",
     "DraftModelDrafter",
     "Drafter",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.core.compat import copy_tokenizer_files
-from mlx_spec.embedded import cache_root
+from mlx_spec.core.paths import cache_root
 
 PYPI_ENV = "MLX_SPEC_PYPI_URL"  # another index's JSON API (tests, mirrors)
 PYPI = "https://pypi.org/pypi"

@@ -4,12 +4,12 @@ shipped in Hugging Face layout and converted by `mlx-spec convert` on first use.
 from __future__ import annotations
 
 import hashlib
-import os
 import sysconfig
 from pathlib import Path
 
+from mlx_spec.core.paths import cache_root
+
 PAIR_DIR = Path(__file__).parent / "demo_pair"
-CACHE_ENV = "MLX_SPEC_CACHE"
 # Standard-library files held out of training, for evaluation (present in CPython 3.10-3.13).
 HELDOUT = (
     "argparse.py",
@@ -36,11 +36,6 @@ def stdlib_files() -> tuple[list[Path], list[Path]]:
     )
     heldout = [root / name for name in HELDOUT]
     return [p for p in files if p not in heldout], heldout
-
-
-def cache_root() -> Path:
-    """Where converted models are kept: $MLX_SPEC_CACHE, else ~/.cache/mlx-spec."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mlx-spec")
 
 
 def available(pair_dir: Path = PAIR_DIR) -> bool:

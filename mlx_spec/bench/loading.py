@@ -7,7 +7,6 @@ from pathlib import Path
 
 import mlx_spec
 from mlx_spec import embedded
-from mlx_spec.api import SOURCE_ATTR
 from mlx_spec.bench.config import (
     DFLASH,
     DRAFT_MODEL,
@@ -23,6 +22,7 @@ from mlx_spec.bench.config import (
     wants,
 )
 from mlx_spec.bench.machine import param_count, shown_path
+from mlx_spec.core.paths import SOURCE_ATTR
 from mlx_spec.decoding import distributed
 from mlx_spec.drafters.base import Drafter
 from mlx_spec.drafters.mtp import MTP_DIR

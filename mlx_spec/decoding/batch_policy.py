@@ -95,7 +95,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
-from mlx_spec.decoding.policy import _ema, chain_acceptance, count_round, expected_tokens
+from mlx_spec.decoding.policy import chain_acceptance, count_round, ema, expected_tokens
 
 import numpy as np
 
@@ -533,7 +533,7 @@ class _Costs:
         `seconds` (building and queueing their passes)."""
         self._memo.clear()
         before = self.drafting.get((arms, rows))
-        self.drafting[arms, rows] = _ema(before, seconds / big_k, self.alpha)
+        self.drafting[arms, rows] = ema(before, seconds / big_k, self.alpha)
 
     def observe(
         self,
@@ -553,9 +553,9 @@ class _Costs:
             if disturbed and old is not None:
                 spent = max(0.0, seconds - old)
                 before = self.turnover.get(rows)
-                self.turnover[rows] = spent if before is None else _ema(before, spent, self.alpha)
+                self.turnover[rows] = spent if before is None else ema(before, spent, self.alpha)
             else:
-                self.plain[rows] = seconds if old is None else _ema(old, seconds, self.alpha)
+                self.plain[rows] = seconds if old is None else ema(old, seconds, self.alpha)
             self._solved.clear()
             return False
         if disturbed:
@@ -568,7 +568,7 @@ class _Costs:
         if switch:  # what the switch cost beyond the width's price; the width learns after
             spent = max(0.0, min(seconds, 3 * predicted) - predicted)
             before = self.switch.get(arms)
-            self.switch[arms] = spent if before is None else _ema(before, spent, self.alpha)
+            self.switch[arms] = spent if before is None else ema(before, spent, self.alpha)
             return False
         extra = min(seconds, 3 * predicted) - self.plain_seconds(rows)
         if not catch_up:  # a catch-up's cost is the line's to place (c3), not the cell's
@@ -1643,7 +1643,7 @@ class BatchDraftPolicy:
         self._joins[arm] = self._joins.get(arm, 0) + 1
         if self._joins[arm] == 1:
             return
-        self._join_cost[arm] = _ema(self._join_cost.get(arm), seconds / tokens, 0.2)
+        self._join_cost[arm] = ema(self._join_cost.get(arm), seconds / tokens, 0.2)
 
     def _predicts(self, arm: int, rows: int) -> bool:
         """Whether the cost model predicts that drafting with `arm` alone beats plain

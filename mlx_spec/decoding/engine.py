@@ -52,7 +52,7 @@ from mlx_spec.core.stats import SpecStats
 from mlx_spec.decoding import distributed
 from mlx_spec.decoding.batch_policy import BatchChoice, BatchDraftPolicy, RowAsk, RowRecord
 from mlx_spec.decoding.chain import Round
-from mlx_spec.decoding.policy import _ema
+from mlx_spec.decoding.policy import ema
 from mlx_spec.decoding.runner import context_limit
 from mlx_spec.drafters.base import hidden_wanted
 from mlx_spec.drafters.batch import BatchDrafter, DraftBlock, concat_rows
@@ -1383,7 +1383,7 @@ class BatchEngine:
         if keep_cache:
             self._tell(row)  # (the states its drafters leave go to the prompt cache)
         if row.done and not row.cancelled:
-            self._used = _ema(self._used, row.produced / max(row.request.max_tokens, 1), 0.2)
+            self._used = ema(self._used, row.produced / max(row.request.max_tokens, 1), 0.2)
             if self.row_trace is not None:
                 s = row.stats
                 trace = RowTrace(s.decode_seconds, row.paced, row.lag, row.produced, s.drafted,

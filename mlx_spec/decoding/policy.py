@@ -33,14 +33,9 @@ learning the same costs twice.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import tempfile
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -172,7 +167,7 @@ def _cap(limit: int, available: list[int | None] | None, arm: int) -> int:
     return limit if has is None else min(limit, has)
 
 
-def _ema(old: float | None, new: float, alpha: float) -> float:
+def ema(old: float | None, new: float, alpha: float) -> float:
     """Running average; a sample over 3x the average (a preempted thread, a collection) is
     taken as 3x, so one outlier cannot swing a decision."""
     return new if old is None else old + alpha * (min(new, 3 * old) - old)
@@ -427,7 +422,7 @@ class AdaptiveDraftLength(DraftPolicy):
         a = self.arms[arm]
         a.rounds += 1.0
         count_round(a.hits, a.trials, asked, accepted)
-        a.fill = _ema(a.fill, drafted / asked, self.alpha)
+        a.fill = ema(a.fill, drafted / asked, self.alpha)
         predicted = self._seconds_at(arm, drafted)
         # Before its first round an arm is predicted by the prior, which may miss a costly
         # drafter by more than `outlier`: then only a far outlier is cut.
@@ -492,30 +487,3 @@ def memory_of(model) -> PolicyMemory:
         memory = PolicyMemory()
         object.__setattr__(model, _MEMORY_ATTR, memory)
     return memory
-
-
-MEMORY_ENV = "MLX_SPEC_POLICY_MEMORY"  # 0: nothing learned is kept across processes
-
-
-class PolicyFile:
-    """Where an "auto" policy's learning is kept between processes: one small JSON file per
-    target, drafter, sampling settings and machine (`key`), so a short reply in a new process
-    does not pay again for what earlier runs measured (acceptance, costs, that plain decoding
-    wins here)."""
-
-    def __init__(self, folder, key: object):
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
-        self.path = Path(folder) / f"{digest.hexdigest()[:24]}.json"
-
-    def load(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):  # none yet, or written by an interrupted process
-            return None
-
-    def save(self, state: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as out:
-            json.dump(state, out)
-        os.replace(tmp, self.path)

@@ -91,7 +91,7 @@ def drafter_factories(
 
 
 def draft_model_factory(path: str, model, tokenizer, vocab: int) -> DrafterFactory:
-    from mlx_spec.api import load
+    from mlx_spec.loading import load
 
     small, small_tok = load(path)
     DraftModelDrafter(small, small_tok).check_compatible(model, tokenizer, vocab)
@@ -101,7 +101,7 @@ def draft_model_factory(path: str, model, tokenizer, vocab: int) -> DrafterFacto
 
 
 def mtp_factory(path: str, model) -> DrafterFactory:
-    from mlx_spec.api import load_mtp_drafter
+    from mlx_spec.loading import load_mtp_drafter
 
     head = load_mtp_drafter(path, model)
     return DrafterFactory(lambda: MTPDrafter(head.module, model), lambda: BatchMTP(head.module))

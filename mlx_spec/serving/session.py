@@ -16,12 +16,10 @@ from collections.abc import Iterator, Sequence
 
 from mlx_spec.api import (
     AUTO,
-    DrafterSpec,
     GenerationChunk,
     GenerationResult,
-    _check_settings,
-    _resolve_drafter,
     check_fits,
+    check_settings,
     checked_prompt,
     decode,
     draft_label,
@@ -33,6 +31,7 @@ from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.decoding.runner import ModelRunner
 from mlx_spec.drafters.base import Drafter, hidden_wanted
+from mlx_spec.loading import DrafterSpec, resolve_drafter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -81,11 +80,11 @@ class Session:
         max_draft: int = 8,
         check: bool = True,
     ):
-        _check_settings(num_draft, 0, max_draft)
+        check_settings(num_draft, 0, max_draft)
         self.model = model
         self.tokenizer = wrap_tokenizer(tokenizer)
         self.vocab_size = scored_vocab(model, self.tokenizer)
-        self.drafter = _resolve_drafter(drafter, model)
+        self.drafter = resolve_drafter(drafter, model)
         if self.drafter is not None and check:
             self.drafter.check_compatible(model, self.tokenizer, self.vocab_size)
         self.num_draft = num_draft
@@ -170,7 +169,7 @@ class Session:
         num_draft = self.num_draft if num_draft is None else num_draft
         max_draft = self.max_draft if max_draft is None else max_draft
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        _check_settings(num_draft, max_tokens, max_draft)
+        check_settings(num_draft, max_tokens, max_draft)
         ids = checked_prompt(self.tokenizer, prompt, self.vocab_size)
         check_fits(ids, self.target)
         drafter = self.drafter if num_draft else None

@@ -172,10 +172,10 @@ def medusa_student(target: nn.Module, heads: int) -> MedusaHeads:
 
 
 def _load_student(target: nn.Module, target_config: dict, config: DistillConfig, init: Path):
-    from mlx_spec.api import load
     from mlx_spec.drafters.dflash import load_dflash_drafter
     from mlx_spec.drafters.eagle3 import load_eagle3_drafter
     from mlx_spec.drafters.mtp import load_mtp_drafter
+    from mlx_spec.loading import load
 
     if config.kind == "medusa":
         module = load_medusa_heads(str(init))
@@ -595,7 +595,7 @@ def run_distill(
         teacher_layers: also keep these target layers' features in it (Hugging Face
             `hidden_states` ids; L: the final state), for another drafter that will read them.
     """
-    from mlx_spec.api import load
+    from mlx_spec.loading import load
 
     out_dir = Path(out)
     checkpoint = out_dir / CHECKPOINT

@@ -1,0 +1,3 @@
+"""mlx-spec's version."""
+
+VERSION = "0.1.0"
