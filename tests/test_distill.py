@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import mlx_spec
-from mlx_spec.training.distill import CHECKPOINT, DistillConfig, Distiller, run_distill
+from mlx_spec.training.config import DistillConfig
+from mlx_spec.training.distill import run_distill
+from mlx_spec.training.distiller import CHECKPOINT, Distiller
 
 import mlx.core as mx
 import numpy as np

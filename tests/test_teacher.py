@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import mlx_spec
-from mlx_spec.training.chat_data import read_prompts, write_answers
-from mlx_spec.training.distill import ChatData, DistillConfig, run_distill
+from mlx_spec.training.chat_data import ChatData, read_prompts, write_answers
+from mlx_spec.training.config import DistillConfig
+from mlx_spec.training.distill import run_distill
 from mlx_spec.training.teacher import TeacherCache, TopK, kl_to_teacher, windows_of
 
 import mlx.core as mx

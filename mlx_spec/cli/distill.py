@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from mlx_spec.platform import blas
-from mlx_spec.training.distill import KINDS, DistillConfig
+from mlx_spec.training.config import KINDS, DistillConfig
 
 GENERATE_FLAG = {  # the `generate` flag that loads each kind
     "mtp": "--mtp",
@@ -206,7 +206,7 @@ def run(args) -> int:
 
 def _chat_data(args):
     """`--prompts`: the target's answers to chat prompts as the training text; else None."""
-    from mlx_spec.training.distill import ChatData
+    from mlx_spec.training.chat_data import ChatData
 
     if not args.prompts:
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +124,38 @@ def answer_tokens(records: Sequence[dict], eos: int | None) -> np.ndarray:
         end = [eos] if eos is not None and record.get("finish_reason") == "stop" else []
         pieces.append(np.asarray(record["prompt_ids"] + record["answer_ids"] + end, np.int32))
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
+
+
+@dataclass(frozen=True)
+class ChatData:
+    """Train on the target's own answers to chat prompts.
+
+    Attributes:
+        prompts: file of prompts (JSON lines with "prompt", or one per line).
+        answers: JSON-lines file the answers are kept in (several runs can share it).
+        temperatures: each prompt is answered once at each.
+        max_tokens: tokens per answer at most.
+        batch: answers written at once.
+    """
+
+    prompts: str
+    answers: str
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    max_tokens: int = 256
+    batch: int = 32
+
+    def tokens(self, target, tokenizer, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(training tokens, held-out tokens): the answers to the first nine tenths of the
+        prompts, and to the rest."""
+        from mlx_spec.training.chat_data import answer_tokens, read_prompts, write_answers
+
+        prompts = read_prompts(self.prompts)
+        records = write_answers(
+            target, tokenizer, prompts, self.answers, temperatures=self.temperatures,
+            max_tokens=self.max_tokens, batch=self.batch, seed=seed,
+        )  # fmt: skip
+        cut = max(1, int(len(prompts) * 0.9))
+        eos = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else None
+        train = answer_tokens([r for r in records if r["index"] < cut], eos)
+        heldout = answer_tokens([r for r in records if r["index"] >= cut], eos)
+        return train, heldout

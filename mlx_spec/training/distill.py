@@ -12,23 +12,18 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from mlx_spec.caches.taps import find_head
 from mlx_spec.core.compat import copy_tokenizer_files, scored_vocab
-from mlx_spec.drafters.dflash import DFlashDrafter
-from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.medusa import (
-    MedusaDrafter,
-    MedusaHeads,
-    load_medusa_heads,
     save_medusa_heads,
 )
-from mlx_spec.drafters.mtp import MTPDrafter, save_mtp_drafter
-from mlx_spec.models.dflash import dflash_for, save_dflash, train_logits, training_anchors
-from mlx_spec.models.eagle3 import eagle3_for, save_eagle3
-from mlx_spec.models.mtp import MTPModule, target_layers
+from mlx_spec.drafters.mtp import save_mtp_drafter
+from mlx_spec.models.dflash import save_dflash
+from mlx_spec.models.eagle3 import save_eagle3
+from mlx_spec.training.chat_data import ChatData
+from mlx_spec.training.config import DistillConfig
 from mlx_spec.training.data import (
     TokenData,
     encode_files,
@@ -36,328 +31,21 @@ from mlx_spec.training.data import (
     target_text,
     text_files,
 )
-from mlx_spec.training.teacher import TeacherCache, TopK, kl_to_teacher, windows_of
+from mlx_spec.training.distiller import CHECKPOINT, Distiller, train
+from mlx_spec.training.students import build_student, drafter_for, target_text_config
+from mlx_spec.training.teacher import TeacherCache, windows_of
 
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import _get_classes, save_config, save_model
-from tqdm import tqdm
+from mlx.utils import tree_flatten
+from mlx_lm.utils import save_config, save_model
 
-KINDS = ("draft-model", "mtp", "medusa", "eagle3", "dflash")
-CHECKPOINT = ".distill-checkpoint"
-TTT_STEPS = 3  # EAGLE-3: drafting steps unrolled in training
+DATA_CACHE = ".distill-data.npz"
+BEFORE = ".distill-before.json"  # the untrained drafter's scores, kept for a resumed run
 
 
-@dataclass(frozen=True)
-class DistillConfig:
-    """Settings of one distillation run (recorded in the checkpoint and the output)."""
-
-    kind: str = "draft-model"
-    steps: int = 300
-    batch_size: int = 8
-    seq_len: int = 128
-    learning_rate: float = 1e-3
-    checkpoint_every: int = 50
-    seed: int = 0
-    hidden_size: int = 128  # draft model only
-    num_layers: int = 2  # draft model and DFlash
-    mtp_family: str = "mimo"  # MTP only: the published layout to store it in
-    heads: int = 3  # Medusa only: heads (each guesses one position further)
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        for name in (
-            "steps",
-            "batch_size",
-            "seq_len",
-            "checkpoint_every",
-            "hidden_size",
-            "num_layers",
-            "heads",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-
-
-def target_text_config(target_dir: Path) -> dict:
-    config = json.loads((target_dir / "config.json").read_text())
-    return config
-
-
-def student_config(target_config: dict, config: DistillConfig) -> dict:
-    """A small llama-layout draft model with the target's vocabulary and context."""
-    text = target_config.get("text_config", target_config)
-    heads = max(1, config.hidden_size // 64)
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "intermediate_size": 4 * config.hidden_size,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": text["vocab_size"],
-        "max_position_embeddings": text.get("max_position_embeddings", 4096),
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        "bos_token_id": target_config.get("bos_token_id"),
-        "eos_token_id": target_config.get("eos_token_id"),
-    }
-
-
-def build_student(
-    target: nn.Module,
-    target_config: dict,
-    config: DistillConfig,
-    init: Path | None = None,
-    *,
-    counts: np.ndarray | None = None,
-    draft_vocab: int | None = None,
-):
-    """(student module, its config) for `config.kind`: freshly initialized, or the drafter
-    in `init` (a directory `mlx-spec distill` or `mlx-spec convert` wrote) to train further.
-    An EAGLE-3 head with `draft_vocab` drafts over the `draft_vocab` target tokens most
-    frequent in `counts` (how often each token id occurs in the training text)."""
-    mx.random.seed(config.seed)
-    if init is not None:
-        return _load_student(target, target_config, config, init)
-    if config.kind == "draft-model":
-        student_cfg = student_config(target_config, config)
-        model_cls, args_cls = _get_classes(student_cfg)
-        return model_cls(args_cls.from_dict(student_cfg)), student_cfg
-    if config.kind == "medusa":
-        return medusa_student(target, config.heads), target_config
-    if config.kind == "eagle3":
-        vocab = None if draft_vocab is None else frequent_tokens(counts, draft_vocab)
-        return eagle3_for(target, target_config, vocab), target_config
-    if config.kind == "dflash":
-        return dflash_for(target, target_config, config.num_layers), target_config
-    text = target_config.get("text_config", target_config)
-    layer = len(target_layers(target)) - 1  # the deepest layer: its kind, and a warm start
-    module = MTPModule(config.mtp_family, target, layer, text.get("rms_norm_eps", 1e-6))
-    return module, target_config
-
-
-def frequent_tokens(counts: np.ndarray, size: int) -> np.ndarray:
-    """The `size` token ids most frequent in `counts` (ties: lower id), ascending."""
-    if not 0 < size <= counts.size:
-        raise ValueError(f"--draft-vocab must be in 1 .. {counts.size}, got {size}")
-    order = np.lexsort((np.arange(counts.size), -counts))
-    return np.sort(order[:size])
-
-
-def medusa_student(target: nn.Module, heads: int) -> MedusaHeads:
-    """Medusa heads that start as the target's own output layer: every block's linear layer
-    zero (so a block passes its input through) and each head's output a copy of the
-    target's (as Medusa initializes them)."""
-    head, _ = find_head(target)
-    weight = head.weight  # lm_head, or the tied embedding
-    if weight.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        raise ValueError("distilling Medusa heads needs a target with unquantized output weights")
-    vocab, hidden = weight.shape
-    module = MedusaHeads(hidden, vocab, heads, 1)
-    for one in module.heads:
-        for block in one.blocks:
-            block.linear.weight = mx.zeros_like(block.linear.weight)
-            block.linear.bias = mx.zeros_like(block.linear.bias)
-        one.out.weight = mx.array(weight.astype(mx.float32))
-    return module
-
-
-def _load_student(target: nn.Module, target_config: dict, config: DistillConfig, init: Path):
-    from mlx_spec.drafters.dflash import load_dflash_drafter
-    from mlx_spec.drafters.eagle3 import load_eagle3_drafter
-    from mlx_spec.drafters.mtp import load_mtp_drafter
-    from mlx_spec.loading import load
-
-    if config.kind == "medusa":
-        module = load_medusa_heads(str(init))
-        if module.num_heads != config.heads:
-            raise ValueError(
-                f"{init}: {module.num_heads} Medusa heads (pass --heads {module.num_heads})"
-            )
-        return module, target_config
-
-    if config.kind == "eagle3":
-        return load_eagle3_drafter(init, target).module, target_config
-    if config.kind == "dflash":
-        return load_dflash_drafter(init, target).model, target_config
-    if config.kind == "mtp":
-        module = load_mtp_drafter(init, target).module
-        if module.family != config.mtp_family:
-            raise ValueError(
-                f"{init}: an MTP head in the {module.family} layout, not {config.mtp_family} "
-                f"(pass --mtp-family {module.family})"
-            )
-        return module, target_config
-    model, _ = load(str(init))
-    return model, json.loads((init / "config.json").read_text())
-
-
-class Distiller:
-    """Trains a student to match a frozen target's cached answers (`TeacherCache`)."""
-
-    def __init__(self, target: nn.Module, student: nn.Module, config: DistillConfig):
-        self.target, self.student, self.config = target, student, config
-        # the target layers whose features the student reads (L: the final normed state)
-        self.layers: tuple[int, ...] = ()
-        if config.kind in ("mtp", "medusa"):
-            self.layers = (len(target_layers(target)),)
-        elif config.kind == "eagle3":
-            self.layers = tuple(student.cfg.layer_ids)
-        elif config.kind == "dflash":
-            self.layers = tuple(student.hidden_layers)
-        ids = getattr(student, "target_ids", None) if config.kind == "eagle3" else None
-        self.t2d = None  # target id -> draft index, for a head over a reduced vocabulary
-        if ids is not None:
-            t2d = np.full(student.cfg.vocab_size, -1, np.int32)
-            t2d[np.array(ids)] = np.arange(ids.size, dtype=np.int32)
-            self.t2d = mx.array(t2d)
-        self.target.freeze()
-        warmup = max(1, config.steps // 20)
-        schedule = optim.join_schedules(
-            [
-                optim.linear_schedule(1e-7, config.learning_rate, warmup),
-                optim.cosine_decay(config.learning_rate, max(1, config.steps - warmup)),
-            ],
-            [warmup],
-        )
-        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
-        self._grad = nn.value_and_grad(student, self._loss)
-
-    def _kl(self, teacher: TopK, logits: mx.array) -> mx.array:
-        return kl_to_teacher(teacher, logits, self.t2d)
-
-    def _loss(
-        self, tokens: mx.array, teacher: TopK, hidden: mx.array | None, unroll: bool = True
-    ) -> mx.array:
-        """The training loss (`unroll=False`: the first drafting step alone, the held-out KL
-        every kind reports alike)."""
-        if self.config.kind == "draft-model":
-            return self._kl(teacher, self.student(tokens))
-        if self.config.kind == "dflash":
-            # Draft i of the block at a guesses the token at a + i: the target's
-            # distribution for it is at a + i - 1.
-            logits = train_logits(self.student, tokens, hidden)
-            block = self.student.cfg.block_size
-            starts = training_anchors(tokens.shape[1], block)
-            rows = mx.array([[a + i for i in range(block - 1)] for a in starts])
-            return self._kl(teacher[:, rows], logits)
-        if self.config.kind == "medusa":
-            # Head k reads h_p and guesses t_{p+2+k}, whose target distribution is at p+1+k.
-            logits = self.student(hidden)  # [K, B, S, V]
-            losses = [
-                self._kl(teacher[:, k + 1 :], logits[k, :, : -(k + 1)])
-                for k in range(logits.shape[0])
-            ]
-            return mx.stack(losses).mean()
-        # MTP and EAGLE-3: the pair (h_p, t_{p+1}) (h: the layers' features for EAGLE-3)
-        # predicts t_{p+2}, whose target distribution is at p+1.
-        logits = self._student(tokens[:, 1:], hidden[:, :-1])
-        loss = self._kl(teacher[:, 1:], logits)
-        if self.config.kind != "eagle3" or not unroll:
-            return loss
-        # EAGLE-3's training-time test: step i + 1 feeds back step i's outputs, as drafting
-        # does (here every position is self-fed: the sequence-wide approximation), the
-        # pair (y_p, t_{p+i+1}) guessing t_{p+i+2}; the steps weigh 0.8 ** i.
-        total, weight = loss, 1.0
-        for step in range(1, TTT_STEPS):
-            fed = self.student.feedback[:, :-1]
-            logits = self._student(tokens[:, step + 1 :], fed)
-            weight *= 0.8
-            total = total + weight * self._kl(teacher[:, step + 1 :], logits)
-        return total
-
-    def _student(self, tokens: mx.array, hidden: mx.array) -> mx.array:
-        if self.t2d is not None:  # the head's own (draft vocabulary) logits
-            return self.student(tokens, cache=[None], hidden=hidden, full=False)
-        return self.student(tokens, cache=[None], hidden=hidden)
-
-    def step(self, batch: tuple) -> float:
-        """One optimizer step on a batch of (tokens, teacher, features)."""
-        loss, grads = self._grad(*batch)
-        self.optimizer.update(self.student, grads)
-        mx.eval(loss, self.student.parameters(), self.optimizer.state)
-        return loss.item()
-
-    def evaluate(self, teacher: TeacherCache, batch_size: int) -> float:
-        """Mean KL(target || student) on the held-out windows (over the teacher's top K)."""
-        losses = []
-        for start in range(0, len(teacher.windows), batch_size):
-            indices = np.arange(start, min(start + batch_size, len(teacher.windows)))
-            losses.append(self._loss(*teacher.batch(indices), unroll=False).item())
-        return float(np.mean(losses)) if losses else float("nan")
-
-
-def batch_indices(step: int, windows: int, batch_size: int, seed: int) -> np.ndarray:
-    """The windows of training step `step`: a function of (seed, step) alone, so a resumed run
-    sees exactly the batches an uninterrupted one would."""
-    return np.random.default_rng((seed, 0, step)).integers(0, windows, size=batch_size)
-
-
-def save_checkpoint(path: Path, distiller: Distiller, step: int) -> None:
-    """Weights, optimizer state and step, written to a temp dir and renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(
-        str(tmp / "student.safetensors"), dict(tree_flatten(distiller.student.parameters()))
-    )
-    state = dict(tree_flatten(distiller.optimizer.state))
-    mx.save_safetensors(
-        str(tmp / "optimizer.safetensors"),
-        {k: v for k, v in state.items() if isinstance(v, mx.array)},
-    )
-    meta = {"step": step, "config": asdict(distiller.config)}
-    (tmp / "state.json").write_text(json.dumps(meta))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-
-
-def load_checkpoint(path: Path, distiller: Distiller) -> int:
-    """Restore weights and optimizer state; returns the step to continue from."""
-    meta = json.loads((path / "state.json").read_text())
-    if meta["config"] != asdict(distiller.config):
-        raise ValueError(f"{path}: checkpoint was made with other settings; use a new --out")
-    distiller.student.load_weights(str(path / "student.safetensors"))
-    distiller.optimizer.init(distiller.student.trainable_parameters())
-    saved = mx.load(str(path / "optimizer.safetensors"))
-    distiller.optimizer.state = tree_unflatten(list(saved.items()))
-    return meta["step"]
-
-
-def train(
-    distiller: Distiller, teacher: TeacherCache, checkpoint: Path, progress: bool = True
-) -> int:
-    """Run (or resume) training to `config.steps` on the cached teacher's windows; returns the
-    steps done in total."""
-    config = distiller.config
-    start = load_checkpoint(checkpoint, distiller) if (checkpoint / "state.json").exists() else 0
-    bar = tqdm(total=config.steps, initial=start, desc="distill", disable=not progress, unit="step")
-    step, tic = start, time.perf_counter()
-    try:
-        while step < config.steps:
-            indices = batch_indices(step, len(teacher.windows), config.batch_size, config.seed)
-            loss = distiller.step(teacher.batch(indices))
-            step += 1
-            rate = config.batch_size * config.seq_len * (step - start) / (time.perf_counter() - tic)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
-            bar.update(1)
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                save_checkpoint(checkpoint, distiller, step)
-    except KeyboardInterrupt:
-        save_checkpoint(checkpoint, distiller, step)  # nothing lost: resume continues here
-        raise
-    finally:
-        bar.close()
-    return step
+TEACHER_CACHE = ".distill-teacher"
+HELDOUT_WINDOWS = 4  # held-out batches the KL is measured on
 
 
 def write_drafter(
@@ -394,21 +82,6 @@ def write_drafter(
     for child in tmp.iterdir():
         child.rename(out / child.name)
     tmp.rmdir()
-
-
-def drafter_for(distiller: Distiller, tokenizer):
-    """The trained student as a drafter, for measuring acceptance."""
-    from mlx_spec.drafters.draft_model import DraftModelDrafter
-
-    if distiller.config.kind == "mtp":
-        return MTPDrafter(distiller.student, distiller.target)
-    if distiller.config.kind == "eagle3":
-        return Eagle3Drafter(distiller.student, distiller.target)
-    if distiller.config.kind == "dflash":
-        return DFlashDrafter(distiller.student, distiller.target)
-    if distiller.config.kind == "medusa":
-        return MedusaDrafter(distiller.student)
-    return DraftModelDrafter(distiller.student, tokenizer)
 
 
 def heldout_acceptance(
@@ -455,10 +128,6 @@ def measure(distiller: Distiller, tokenizer, heldout: TokenData, teacher: Teache
     return report
 
 
-DATA_CACHE = ".distill-data.npz"
-BEFORE = ".distill-before.json"  # the untrained drafter's scores, kept for a resumed run
-
-
 def prepare_data(
     target,
     tokenizer,
@@ -502,45 +171,6 @@ def prepare_data(
     out_dir.mkdir(parents=True, exist_ok=True)
     np.savez(cache, train=train, heldout=heldout)
     return TokenData(train, seed), TokenData(heldout, seed)
-
-
-@dataclass(frozen=True)
-class ChatData:
-    """Train on the target's own answers to chat prompts.
-
-    Attributes:
-        prompts: file of prompts (JSON lines with "prompt", or one per line).
-        answers: JSON-lines file the answers are kept in (several runs can share it).
-        temperatures: each prompt is answered once at each.
-        max_tokens: tokens per answer at most.
-        batch: answers written at once.
-    """
-
-    prompts: str
-    answers: str
-    temperatures: tuple[float, ...] = (0.0, 0.7)
-    max_tokens: int = 256
-    batch: int = 32
-
-    def tokens(self, target, tokenizer, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """(training tokens, held-out tokens): the answers to the first nine tenths of the
-        prompts, and to the rest."""
-        from mlx_spec.training.chat_data import answer_tokens, read_prompts, write_answers
-
-        prompts = read_prompts(self.prompts)
-        records = write_answers(
-            target, tokenizer, prompts, self.answers, temperatures=self.temperatures,
-            max_tokens=self.max_tokens, batch=self.batch, seed=seed,
-        )  # fmt: skip
-        cut = max(1, int(len(prompts) * 0.9))
-        eos = sorted(tokenizer.eos_token_ids)[0] if tokenizer.eos_token_ids else None
-        train = answer_tokens([r for r in records if r["index"] < cut], eos)
-        heldout = answer_tokens([r for r in records if r["index"] >= cut], eos)
-        return train, heldout
-
-
-TEACHER_CACHE = ".distill-teacher"
-HELDOUT_WINDOWS = 4  # held-out batches the KL is measured on
 
 
 def _teachers(distiller: Distiller, target, tokenizer, data, heldout, folder: Path):
