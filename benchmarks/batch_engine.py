@@ -26,7 +26,7 @@ engine otherwise sets the BLAS threads per pass width, `mlx_spec.platform.blas_t
 drafter it may use (the policy's `join_pays` off), `--compare-plain-when-full` each with
 plain steps forced whenever the batch holds N rows (an experiment: what speculation in a full
 batch gains or loses, all its costs counted), and `--compare-guard` each with the policy's
-guard off (its windows of plain decoding alone, `batch_policy._Guard`).
+guard off (its windows of plain decoding alone, `drafter_guard.DrafterGuard`).
 
 `--trace` prints, under each mode, where its steps' time went (the engine's `StepTrace`:
 building the drafters' graphs, queueing them, building the verifying pass, waiting for it,

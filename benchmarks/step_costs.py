@@ -15,7 +15,7 @@ requests one after another (`batch_engine.run_engine`, EOS off), after a warm-up
 - `probe`: plain requests and the policy's own runs (guard on and off) in one process, with
   every speculative step that came after plain ones or after rows joined or left (`disturbed`)
   listed, the host time of the policy's calls, and the cost model's switch and turnover
-  estimates (`batch_policy._Costs`).
+  estimates (`step_costs.StepCosts`).
 
 Run: `python benchmarks/step_costs.py probe`, `python benchmarks/step_costs.py predict --k 1 2`,
 `python benchmarks/step_costs.py switch --patterns 0/1 1/0 7/1 8/4`.

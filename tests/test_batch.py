@@ -1020,7 +1020,7 @@ def test_batched_negative_controls_fail(pair, monkeypatch, control):
                 target_probs, draft_probs, draft_tokens, num_drafted, uniforms * 0 - 1e9, noise
             )
 
-        monkeypatch.setattr("mlx_spec.decoding.engine.batch_verify", always)
+        monkeypatch.setattr("mlx_spec.decoding.speculative_step.batch_verify", always)
     else:
         monkeypatch.setattr(mlx_spec.core.batch_verify, "residual", _recover_from_target)
     samples = batch_samples(pair, CONFIGS[0], busy=False)
@@ -1494,7 +1494,7 @@ def test_probes_still_measure_a_drafter_while_its_plans_would_slow_rows_behind()
 def test_a_rows_ledger_puts_it_behind_after_steps_slower_than_plain_ones(
     loaded, slack, plain, behind
 ):
-    """The engine keeps each row's pace (`_Row.lag`, `paced`) and asks the policy with it:
+    """The engine keeps each row's pace (`Row.lag`, `paced`) and asks the policy with it:
     where a plain step would take next to no time, every speculative step puts its rows
     behind plain decoding's pace and their next asks say so; where it would take far longer
     than any step, no row is ever behind; without a ledger (`pace_slack=None`), none."""
@@ -2334,7 +2334,7 @@ def test_steps_after_rows_join_or_leave_are_reported_disturbed(loaded):
 def test_a_switch_out_of_plain_decoding_is_priced_apart_from_the_width():
     """On an H100 at 8 rows the first speculative step after plain ones took up to 5 ms more
     than the next ones (5 ms for 2.5x a plain step's tokens, a plain step 3 ms). A switch
-    step's excess goes apart (`_Costs.switch`, learnt near the 5 ms it costs), paid once per
+    step's excess goes apart (`StepCosts.switch`, learnt near the 5 ms it costs), paid once per
     run of speculative steps; the step after a probe prices its width, and the batch
     drafts."""
     policy, rng = BatchDraftPolicy(["ngram"], guard=False), random.Random(0)
@@ -2356,9 +2356,9 @@ def test_a_shapes_first_step_that_built_its_kernels_prices_nothing():
     cost 17 ms on an H100 where the next ones cost 4.5. Set aside (over twice its price), it
     neither prices its width nor the switch; the next step of the shape does, and a
     shape's first step at its price counts."""
-    from mlx_spec.decoding.batch_policy import _Costs
+    from mlx_spec.decoding.step_costs import StepCosts
 
-    costs = _Costs()
+    costs = StepCosts()
     for _ in range(5):
         costs.observe(8, 0, (), 3e-3)
     costs.observe(8, 1, (0,), 20e-3)  # a switch, and the first (8, 1): set aside
@@ -2376,9 +2376,9 @@ def test_turnover_is_taken_off_the_steps_that_carried_it():
     """Rows joining or leaving make the next step dearer whatever its K: plain steps that
     carried it teach its cost (their own average untouched), and a speculative step that
     carried it is priced without it; a switch step's excess goes apart from its width."""
-    from mlx_spec.decoding.batch_policy import _Costs
+    from mlx_spec.decoding.step_costs import StepCosts
 
-    costs = _Costs()
+    costs = StepCosts()
     for _ in range(5):
         costs.observe(8, 0, (), 3e-3)
     costs.observe(8, 0, (), 13e-3, disturbed=True)
@@ -2403,9 +2403,9 @@ def test_batchable_families(loaded):
 def test_batch_costs_keep_catch_up_apart():
     """Steps whose drafters first catch up on what piled up over plain steps: the fit puts
     that cost on the catch-up tokens, not on the fixed part every speculative step pays."""
-    from mlx_spec.decoding.batch_policy import _Costs
+    from mlx_spec.decoding.step_costs import StepCosts
 
-    costs, rng = _Costs(), random.Random(0)
+    costs, rng = StepCosts(), random.Random(0)
     for _ in range(20):
         costs.observe(8, 0, (), 4e-3)
     for _ in range(200):
@@ -2548,9 +2548,9 @@ def test_a_mixed_sets_hope_counts_its_chained_drafters_passes():
     """Only steps whose drafters are all chained measure their passes; a group's step where
     some rows draft with the MTP head (chained) and others with the lookup is bound by the
     head's own measured cost per draft, at the largest size measured up to its own."""
-    from mlx_spec.decoding.batch_policy import _Costs
+    from mlx_spec.decoding.step_costs import StepCosts
 
-    costs = _Costs()
+    costs = StepCosts()
     for _ in range(3):
         costs.observe(4, 0, (), 10e-3)
     costs.observe_drafting(4, 2, (0,), 4e-3)  # the head alone: 2 ms a draft at 4 rows
@@ -2566,7 +2566,8 @@ def test_a_rows_own_acceptance_sets_its_level_and_rows_alike_merge():
     """A row that kept few of its drafts is planned with less acceptance than the drafter's
     over all rows (and one that kept many with more), shrunk towards it while its counts
     are few; rows at the same level merge into one ask."""
-    from mlx_spec.decoding.batch_policy import RowRecord, _Merged
+    from mlx_spec.decoding.batch_plans import MergedAsks
+    from mlx_spec.decoding.batch_policy import RowRecord
 
     policy = BatchDraftPolicy(["ngram"])
     for _ in range(30):  # the lookup keeps half its drafts over all rows
@@ -2582,7 +2583,7 @@ def test_a_rows_own_acceptance_sets_its_level_and_rows_alike_merge():
     assert levels[0] < levels[4] < 0 == levels[2] == levels[3] < levels[1], levels
     gains = policy._gains()
     assert gains.of(0, levels[0])[2] < gains[0][2] < gains.of(0, levels[1])[2]
-    assert len(_Merged(asks).distinct) == 4
+    assert len(MergedAsks(asks).distinct) == 4
 
 
 def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
@@ -2593,7 +2594,7 @@ def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
     was barred through a whole server run by two such windows). Once its allowed steps
     have drafted with it, the guard judges it as before: where they realise less, it is
     barred."""
-    from mlx_spec.decoding.batch_policy import _Guard
+    from mlx_spec.decoding.drafter_guard import DrafterGuard
 
     def windows(guard, count, allowed_seconds, drafted):
         barred = []
@@ -2607,7 +2608,7 @@ def test_the_guard_judges_a_drafter_on_allowed_steps_that_drafted_with_it():
                 guard.charge(1, 0, 0.05)  # a request joined the drafter
         return barred
 
-    guard = _Guard()
+    guard = DrafterGuard()
     assert sum(windows(guard, 12, 0.010, set())) <= 4
     assert guard.ratio(1, 0) < 0.9 and guard.ratio(1, 0, drafted=True) is None
     assert sum(windows(guard, 12, 0.012, {0})) >= 8
