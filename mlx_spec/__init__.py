@@ -2,7 +2,7 @@
 
 from mlx_spec.platform import blas as _blas
 
-_blas.preload()  # must precede the first `import mlx.core` (see _blas.py)
+_blas.preload()  # must precede the first `import mlx.core` (see platform/blas.py)
 
 from mlx_spec.platform import heap  # noqa: E402
 

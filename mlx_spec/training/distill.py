@@ -225,16 +225,20 @@ def run_distill(
         teacher_layers: also keep these target layers' features in it (Hugging Face
             `hidden_states` ids; L: the final state), for another drafter that will read them.
     """
+    from mlx_spec.core.paths import SOURCE_ATTR
     from mlx_spec.loading import load
 
     out_dir = Path(out)
     checkpoint = out_dir / CHECKPOINT
-    if out_dir.exists() and any(out_dir.iterdir()) and not checkpoint.exists() and not force:
+    working = {CHECKPOINT, DATA_CACHE, BEFORE, TEACHER_CACHE, "answers.jsonl"}
+    other = [p for p in out_dir.iterdir() if p.name not in working] if out_dir.exists() else []
+    if other and not checkpoint.exists() and not force:
         raise ValueError(
             f"{out}: already exists and holds no unfinished run to resume "
             "(use --force to overwrite it)"
         )
     target, tokenizer = load(target_dir)
+    target_dir = str(getattr(target, SOURCE_ATTR, target_dir))  # a short name or hub id: its folder
     data, heldout = prepare_data(
         target,
         tokenizer,
