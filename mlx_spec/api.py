@@ -40,7 +40,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 @dataclass
 class GenerationChunk:
-    """One streamed token. The last chunk has `token=None`, `finish_reason` and `stats` set."""
+    """One streamed token. The last chunk has `token=None`, `finish_reason` and `stats` set.
+
+    How the token came (`kind`): "draft" (a drafted token the target accepted), "recovered"
+    (the target's token after a rejected draft), "bonus" (the target's token after every draft
+    was accepted) or "plain" (a round that drafted nothing); `drafter`: the drafter its round
+    asked (a group's member; None for a plain step), `drafted`: how many tokens that round
+    drafted. None on the last chunk.
+    """
 
     text: str
     token: int | None
@@ -48,6 +55,16 @@ class GenerationChunk:
     finish_reason: str | None = None
     stats: SpecStats | None = None
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended the output
+    kind: str | None = None
+    drafter: str | None = None
+    drafted: int = 0
+
+
+def target_kind(rnd: Round) -> str:
+    """How the round's last token (the target's own) came: "plain", "bonus" or "recovered"."""
+    if not rnd.num_drafted:
+        return "plain"
+    return "bonus" if rnd.num_accepted >= rnd.num_drafted else "recovered"
 
 
 @dataclass
@@ -367,13 +384,24 @@ class OutputCutter:
         self.stats, self.max_tokens = stats, max_tokens
 
     def round(self, rnd: Round) -> tuple[list[GenerationChunk], str | None, int | None]:
-        chunks = []
+        chunks, accepted, drafter, drafted = [], rnd.num_accepted, rnd.drafter, rnd.num_drafted
+        last = target_kind(rnd)
         for i, token in enumerate(rnd.tokens):
             if token in self.eos:
                 return chunks, "stop", i + 1
             self.detokenizer.add_token(token)
             text, hit = self.stopper.feed(self.detokenizer.last_segment)
-            chunks.append(GenerationChunk(text=text, token=token, from_draft=i < rnd.num_accepted))
+            draft = i < accepted
+            chunks.append(
+                GenerationChunk(
+                    text,
+                    token,
+                    draft,
+                    kind="draft" if draft else last,
+                    drafter=drafter,
+                    drafted=drafted,
+                )  # fmt: skip
+            )
             if hit:
                 return chunks, "stop", i + 1
             if self.stats.generated_tokens + len(chunks) >= self.max_tokens:

@@ -31,6 +31,7 @@ class Round:
     num_accepted: int
     seconds: float
     keep: int | None = None
+    drafter: str | None = None  # the drafter (a group's arm) that drafted it; None: plain
 
 
 def room_left(runner: ModelRunner) -> int | None:
@@ -161,7 +162,7 @@ class _Decoder:
         self._mark("target pass + verification")
         n = num_accepted.item()
         tokens = proposed.tolist()[:n] + [next_token.item()]
-        rnd = Round(tokens, drafted, n, time.perf_counter() - start)
+        rnd = Round(tokens, drafted, n, time.perf_counter() - start, drafter=drafter.arm_names[arm])
         self._mark("reading the result")
         try:
             yield rnd

@@ -24,11 +24,12 @@ class Telling:
         row's next `_tell`); returns how many of `emitted` stay in the sequence."""
         if row.first_pending:  # a row that joined with its prompt's last token: its first step
             self._prefilled(row)
-        chunks, finish, keep = row.cutter.round(Round(emitted, drafted, accepted, 0.0))
+        arm = self._arm_of.get(row.id) if drafted else None
+        name = None if arm is None else self.names[arm]
+        chunks, finish, keep = row.cutter.round(Round(emitted, drafted, accepted, 0.0, None, name))
         keep = len(emitted) if keep is None else keep
         row.stats.observe_round(drafted, accepted, len(chunks), 0.0)
-        arm = self._arm_of.get(row.id) if drafted else None
-        row.stats.observe_choice(None if arm is None else self.names[arm], drafted)
+        row.stats.observe_choice(name, drafted)
         row.tokens += emitted[:keep]
         row.produced += len(chunks)
         if tell:

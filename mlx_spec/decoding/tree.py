@@ -557,7 +557,7 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
         logits = logits[mx.array([0] + [1 + i for i in tree_at])]
     path, nxt = verify_tree(logits, tree, sampling)
     tokens = [tree.tokens[i] for i in path] + [nxt]
-    rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic)
+    rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic, drafter=drafter.name)
     try:
         yield rnd
     finally:
