@@ -44,6 +44,11 @@ class SpecStats:
     world_size: int = 1
     comm_collectives: int = 0
     comm_seconds: float = 0.0
+    # The base of the speedup estimate: the measured seconds of the plain steps and the tokens
+    # they gave (a batch row: what plain steps at its batch sizes would have taken for all of
+    # its tokens, `Row.paced`).
+    plain_seconds: float = 0.0
+    plain_tokens: int = 0
 
     def observe_choice(self, drafter: str | None, k: int) -> None:
         """A round asked `drafter` for k drafts (None, 0: a plain decoding step)."""
@@ -66,6 +71,9 @@ class SpecStats:
         self.generated_tokens += emitted
         self.target_passes += 1
         self.round_seconds.append(seconds)
+        if not drafted and seconds:
+            self.plain_seconds += seconds
+            self.plain_tokens += emitted
 
     def choices_line(self) -> str:
         """What an adaptive policy chose: 'k chosen: 0 x12, 1 x30; rounds by drafter: ...'
@@ -118,6 +126,17 @@ class SpecStats:
     @property
     def decode_tokens_per_sec(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def plain_tokens_per_sec(self) -> float | None:
+        """Plain decoding's pace, where this generation measured it."""
+        return self.plain_tokens / self.plain_seconds if self.plain_seconds else None
+
+    @property
+    def speedup_estimate(self) -> float | None:
+        """The decode's tokens per second over plain decoding's (None: not measured)."""
+        plain = self.plain_tokens_per_sec
+        return self.decode_tokens_per_sec / plain if plain and self.decode_seconds else None
 
     def round_latency_ms(self, q: float) -> float:
         return float(np.percentile(self.round_seconds, q) * 1e3) if self.round_seconds else 0.0

@@ -40,6 +40,7 @@ class Telling:
         if finish is not None or row.produced >= row.request.max_tokens:
             row.done = True
             row.stats.decode_seconds = time.perf_counter() - row.tic
+            row.stats.plain_seconds, row.stats.plain_tokens = row.paced, row.produced
             row.request.emit(row.cutter.final(finish or "length"))
         return keep
 

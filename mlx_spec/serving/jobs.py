@@ -28,7 +28,14 @@ class Server:
         self.prompt_cache = PromptCache(config.prompt_cache_bytes, config.prompt_cache_entries)
 
     async def start(
-        self, plan: Plan, temperature: float, top_p: float, seed, request: Request, top_k: int = 0
+        self,
+        plan: Plan,
+        temperature: float,
+        top_p: float,
+        seed,
+        request: Request,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ):
         """Queue the plan on the engine: (job, its first chunk, the task that cancels the job
         when the client disconnects). The first chunk comes after the prefill."""
@@ -43,6 +50,7 @@ class Server:
             "temperature": temperature,
             "top_p": top_p,
             "top_k": top_k,
+            "min_p": min_p,
             "seed": seed,
         }
         job = self.job(spec, asyncio.get_running_loop())
@@ -76,7 +84,10 @@ class Server:
         """A job run as a row of the batch engine."""
         seed, name = spec["seed"], spec["drafter"]
         sampling = SamplingConfig(
-            temperature=spec["temperature"], top_k=spec["top_k"], top_p=spec["top_p"]
+            temperature=spec["temperature"],
+            top_k=spec["top_k"],
+            top_p=spec["top_p"],
+            min_p=spec["min_p"],
         )
 
         def batch_request(emit) -> BatchRequest:  # on the engine thread
@@ -109,6 +120,7 @@ class Server:
                 temperature=spec["temperature"],
                 top_p=spec["top_p"],
                 top_k=spec["top_k"],
+                min_p=spec["min_p"],
                 max_tokens=spec["max_tokens"],
                 stop=tuple(spec["stops"]),
                 prefill_step=self.config.prefill_step,
@@ -164,15 +176,16 @@ class Server:
             raise APIError(500, f"generation failed: {type(item).__name__}: {item}")
         return item
 
-    async def output(self, job: Job, chunk: GenerationChunk, splitter):
+    async def output(self, job: Job, chunk: GenerationChunk, splitter, traced: list | None = None):
         """The job's output as content strings and `ToolCall`s, in order, then its last chunk
         (finish reason and stats). The tokens already waiting behind a chunk go out with it
         as one piece: a speculative step's accepted tokens, or whatever piled up while the
         event loop served other streams, cost one event each time, not one per token (each
         event is a few hundred microseconds of this thread's Python, taken from the engine's
-        thread on a GPU whose step of a small model is a few milliseconds)."""
+        thread on a GPU whose step of a small model is a few milliseconds). `traced` (if
+        given) gets each token chunk before the piece that holds its text."""
         while chunk.token is not None:
-            text, ahead = self._waiting(job, chunk)
+            text, ahead = self._waiting(job, chunk, traced)
             for item in splitter.feed(text):
                 yield item
             chunk = await self.next_chunk(job) if ahead is None else self._chunk(ahead)
@@ -181,14 +194,19 @@ class Server:
         yield chunk
 
     @staticmethod
-    def _waiting(job: Job, chunk: GenerationChunk):
-        """The token chunk's text with that of the token chunks queued behind it, and the
-        queued item that ended them (the last chunk, or an error; None: the queue ran dry)."""
+    def _waiting(job: Job, chunk: GenerationChunk, traced: list | None):
+        """The token chunk's text with that of the token chunks queued behind it (each added
+        to `traced`, if given), and the queued item that ended them (the last chunk, or an
+        error; None: the queue ran dry)."""
         pieces, ahead = [chunk.text], None
+        if traced is not None:
+            traced.append(chunk)
         while ahead is None and not job.queue.empty():
             item = job.queue.get_nowait()
             if isinstance(item, GenerationChunk) and item.token is not None:
                 pieces.append(item.text)
+                if traced is not None:
+                    traced.append(item)
             else:  # the last chunk, or an error: after the text before it
                 ahead = item
         return "".join(pieces), ahead

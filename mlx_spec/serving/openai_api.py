@@ -14,6 +14,7 @@ from mlx_spec.serving.jobs import Server
 from mlx_spec.serving.openai_schemas import ChatRequest, CompletionRequest, RequestBase
 from mlx_spec.serving.planning import Plan, Planner
 from mlx_spec.serving.tools import ToolCall
+from mlx_spec.serving.trace import final_field, tokens_field
 from mlx_spec.serving.usage import usage
 
 from fastapi import FastAPI, Request
@@ -75,7 +76,7 @@ async def handle(server: Server, planner: Planner, body: RequestBase, request: R
     """Plan the request, start it, and answer: a JSON body, or an SSE stream."""
     the_plan = plan(planner, body, chat)
     job, first, watcher = await server.start(
-        the_plan, body.temperature, body.top_p, body.seed, request
+        the_plan, body.temperature, body.top_p, body.seed, request, body.top_k, body.min_p
     )
     meta = {
         "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
@@ -87,7 +88,8 @@ async def handle(server: Server, planner: Planner, body: RequestBase, request: R
     if body.stream:  # from here on the response watches the connection itself
         watcher.cancel()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = stream(server, job, first, splitter, meta, chat, include_usage)
+        traced = [] if body.speculative is not None and body.speculative.trace else None
+        events = stream(server, job, first, splitter, meta, chat, include_usage, traced)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -127,9 +129,10 @@ async def collect(server: Server, job, chunk, splitter, meta, chat) -> dict:
 
 
 async def stream(
-    server: Server, job, chunk, splitter, meta, chat, include_usage
+    server: Server, job, chunk, splitter, meta, chat, include_usage, traced=None
 ) -> AsyncIterator[str]:
-    """The response as server-sent events, `data: [DONE]` last (or an error event)."""
+    """The response as server-sent events, `data: [DONE]` last (or an error event). With
+    `traced` (a list), every chunk carries the `speculative` field of `trace.py`."""
     base = {
         "id": meta["id"],
         "object": "chat.completion.chunk" if chat else "text_completion",
@@ -137,16 +140,21 @@ async def stream(
         "model": meta["model"],
     }
 
-    def event(delta: dict | str, finish: str | None = None) -> str:
+    def event(delta: dict | str, finish: str | None = None, last=None) -> str:
         key = "delta" if chat else "text"
         choice = {"index": 0, key: delta, "finish_reason": finish, "logprobs": None}
-        return sse({**base, "choices": [choice]})
+        payload = {**base, "choices": [choice]}
+        if traced is not None:
+            payload["speculative"] = (
+                tokens_field(traced) if last is None else final_field(traced, last.stats)
+            )
+        return sse(payload)
 
     calls = 0
     try:
         if chat:
             yield event({"role": "assistant", "content": ""})
-        async for item in server.output(job, chunk, splitter):
+        async for item in server.output(job, chunk, splitter, traced):
             if isinstance(item, str):
                 yield event({"content": item} if chat else item)
             elif isinstance(item, ToolCall):
@@ -154,7 +162,8 @@ async def stream(
                 calls += 1
             else:
                 chunk = item
-        yield event({} if chat else "", finish=finish_reason(chunk, splitter.calls))
+        finish = finish_reason(chunk, splitter.calls)
+        yield event({} if chat else "", finish=finish, last=chunk)
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(chunk.stats, meta["prompt_tokens"])})
         yield "data: [DONE]\n\n"

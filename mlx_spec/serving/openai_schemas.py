@@ -17,6 +17,9 @@ class SpeculativeOptions(BaseModel):
     enabled: bool = True
     drafter: str | None = None
     num_draft: int | str | None = None
+    # A stream's chunks say how each token came (`trace.py`); alone, it leaves speculation
+    # as the server's default.
+    trace: bool = False
 
     @field_validator("num_draft")
     @classmethod
@@ -40,6 +43,9 @@ class RequestBase(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # The common extensions (vLLM, llama.cpp's server): 0 turns either off.
+    top_k: int = Field(default=0, ge=0, strict=True)
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stream: bool = False

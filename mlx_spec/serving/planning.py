@@ -119,11 +119,12 @@ class Planner:
         return Plan(ids, requested or limit, drafter_name, num_draft, stops)
 
     def speculation(self, options: SpeculativeOptions | None):
-        """(drafter name, num_draft) for the request's `speculative` field; (None, 0): none."""
+        """(drafter name, num_draft) for the request's `speculative` field; (None, 0): none.
+        A field that only asks for the trace leaves the server's default."""
         name = self.config.default_drafter
         enabled = name is not None
         num_draft = self.config.num_draft
-        if options is not None:
+        if options is not None and options.model_fields_set != {"trace"}:
             enabled = options.enabled
             name = options.drafter or name or "ngram"
             if options.num_draft is not None:
