@@ -201,6 +201,14 @@ def write_tool_checkpoint(path: Path) -> Path:
     for seq in (chain, chain2):
         for a, b in zip(seq[:-1], seq[1:], strict=True):
             successor[ids[a]] = ids[b]
+    return write_lookup_checkpoint(path, config, tok, successor, TOOL_TEMPLATE)
+
+
+def write_lookup_checkpoint(path: Path, config: dict, tok: Tokenizer, successor: dict, template):
+    """A llama checkpoint whose next token is `successor[last token]` (attention and MLP
+    outputs are zero, the head maps each token to its successor), with `tok` and the chat
+    `template` (EOS: "<|end|>")."""
+    size = config["vocab_size"]
     weights = random_weights(config, seed=7)
     hidden = config["hidden_size"]
     weights["model.embed_tokens.weight"] = mx.eye(size, hidden)
@@ -227,8 +235,35 @@ def write_tool_checkpoint(path: Path) -> Path:
                 "eos_token": TOOL_EOS,
                 "unk_token": "<unk>",
                 "add_bos_token": False,
-                "chat_template": TOOL_TEMPLATE,
+                "chat_template": template,
             }
         )
     )
     return path
+
+
+SCRIPT_TEMPLATE = (
+    "{%- for m in messages -%}<|{{ m.role }}|>{{ m.content }}<|end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def write_script_checkpoint(path: Path, pieces: list[str], context: int = 8192) -> Path:
+    """A lookup-table llama with a chat template that, after "<|assistant|>", writes `pieces`
+    (each its own token, all different) over and over, never ending."""
+    specials = SPECIALS + [TOOL_EOS]
+    vocab = {tok: i for i, tok in enumerate(specials + list(TOOL_ALPHABET))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.add_tokens(["<|system|>", "<|user|>", "<|assistant|>", *pieces])
+    ids = tok.get_vocab()
+    config = llama_config(
+        len(ids), hidden_size=64, eos_token_id=ids[TOOL_EOS], max_position_embeddings=context
+    )
+    successor = {i: ids["a"] for i in range(len(ids))}
+    chain = ["<|assistant|>", *pieces, pieces[0]]
+    for a, b in zip(chain[:-1], chain[1:], strict=True):
+        successor[ids[a]] = ids[b]
+    return write_lookup_checkpoint(path, config, tok, successor, SCRIPT_TEMPLATE)

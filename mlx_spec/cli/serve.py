@@ -64,6 +64,11 @@ def _add_http_flags(p) -> None:
     p.add_argument(
         "--max-queued", type=int, default=256, help="requests waiting at most (default 256)"
     )
+    p.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the chat page at / (the API alone)",
+    )
 
 
 def _add_memory_flags(p) -> None:
@@ -232,6 +237,7 @@ def _config(args, named_model: str, default: str | None, trace_steps: str | None
         max_kv_bytes=args.max_kv_bytes or None,
         pace_slack=args.pace_slack,
         trace_steps=trace_steps,
+        ui=not args.no_ui,
     )
 
 
@@ -250,3 +256,5 @@ def _announce(args, config, drafters: dict) -> None:
         file=sys.stderr,
         flush=True,
     )
+    if config.ui:
+        print(f"mlx-spec: chat page at http://{args.host}:{args.port}/", file=sys.stderr)

@@ -13,6 +13,7 @@ from mlx_spec.serving.config import ServerConfig
 from mlx_spec.serving.errors import add_error_handlers
 from mlx_spec.serving.jobs import Server
 from mlx_spec.serving.middleware import APIKey, BodyLimit
+from mlx_spec.serving.page import add_page_routes
 from mlx_spec.serving.planning import Planner
 from mlx_spec.serving.startup import build_server
 
@@ -29,7 +30,8 @@ def create_app(
     """The FastAPI app serving `model`.
 
     Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both streaming over SSE or
-    not), `GET /v1/models`, `GET /health`, and Anthropic's `POST /v1/messages`. All MLX work
+    not), `GET /v1/models`, `GET /health`, Anthropic's `POST /v1/messages`, and the chat page
+    at `/` (unless `config.ui` is off). All MLX work
     happens on one engine thread (`scheduler.py`), which runs up to `max_concurrent`
     generations at once as rows of a continuously batched engine (one target pass per step for
     all of them, speculation included), or, where the target or drafter cannot be batched, as
@@ -65,6 +67,8 @@ def create_app(
     add_info_routes(app, server, planner)
     openai_api.add_routes(app, server, planner)
     anthropic.add_routes(app, server, planner)
+    if config.ui:
+        add_page_routes(app)
     return app
 
 

@@ -35,6 +35,7 @@ class ServerConfig:
         trace_steps: a file the batch engine appends each step's trace to, one JSON line a
             step (`StepLog`: rows, drafts, drafters, where its time went, the policy's reason;
             `mlx-spec steps FILE` summarises it). None: no trace.
+        ui: serve the chat page at `/`.
     """
 
     model_id: str = "model"
@@ -53,3 +54,4 @@ class ServerConfig:
     max_kv_bytes: int | None = None
     pace_slack: float | None = None
     trace_steps: str | None = None
+    ui: bool = True
