@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
         "/v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health. "
         "Requests choose speculation with the extra field "
         '"speculative": {"enabled": true, "drafter": "ngram", "num_draft": 4}; '
-        "usage.speculative reports acceptance and speed. Under mlx.launch the target is "
+        "usage.speculative reports acceptance and speed. A chat page that shows how each "
+        "token came is served at / (--no-ui: none). Under mlx.launch the target is "
         "split over the ranks (--shard); rank 0 answers HTTP and the others follow its "
         "batches.",
     )
