@@ -136,6 +136,7 @@ def worker_mlx_lm(job: dict) -> list[dict]:
     draft = None
     if "spec" in job["modes"]:
         draft, _ = load(job["draft_dir"])
+        draft.set_dtype(mx.float32)  # the weights mlx-spec runs on a CPU (shipped as float16)
     out = []
     for temperature in job["temperatures"]:
         for p, prompt in enumerate(job["prompts"]):
