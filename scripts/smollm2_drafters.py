@@ -43,6 +43,7 @@ DRAFTERS = {
     "mtp": ["--kind", "mtp", "--mtp-family", "mimo"],
     "draft": ["--kind", "draft-model", "--hidden-size", "256", "--layers", "4"],
 }
+STEPS = {"eagle3": 1000, "mtp": 500, "draft": 1000}  # training steps of each (--steps: all)
 
 
 def log(message: str) -> None:
@@ -103,11 +104,13 @@ def write_jsonl(path: Path, prompts: list[str]) -> None:
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
 
 
-def distill(work: Path, args, extra: list[str], out: Path, prompts: Path, answers: Path) -> None:
+def distill(
+    work: Path, args, kind: str, extra: list[str], out: Path, prompts: Path, answers: Path
+) -> None:
     cmd = [
         sys.executable, "-m", "mlx_spec.cli", "distill", "--model", MODEL, "--out", str(out),
         "--prompts", str(prompts), "--answers", str(answers),
-        "--answer-tokens", str(args.answer_tokens), "--steps", str(args.steps),
+        "--answer-tokens", str(args.answer_tokens), "--steps", str(args.steps or STEPS[kind]),
         "--teacher-cache", str(work / "teacher"),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
         "--lr", str(args.lr), *extra,
@@ -152,7 +155,8 @@ def stage_answers(work: Path, args) -> None:
 
 
 def stage_drafter(kind: str, work: Path, args) -> None:
-    distill(work, args, DRAFTERS[kind], work / kind, work / "train.jsonl", work / "answers.jsonl")
+    prompts, answers = work / "train.jsonl", work / "answers.jsonl"
+    distill(work, args, kind, DRAFTERS[kind], work / kind, prompts, answers)
 
 
 def stage_ship(work: Path, args) -> None:
@@ -195,7 +199,7 @@ def main() -> None:
         "--first", type=int, default=540, help="keep the first N of the shuffled prompts"
     )
     parser.add_argument("--answer-tokens", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, help="training steps of every drafter (see STEPS)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
