@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from mlx_spec.core import clock
 from mlx_spec.core.compat import scored_vocab
 from mlx_spec.core.sampling import SamplingConfig
 from mlx_spec.core.stats import SpecStats
@@ -267,9 +267,9 @@ def _tree_stream(
     check_fits(ids, target)
     if seed is not None:
         mx.random.seed(seed)
-    tic = time.perf_counter()
+    tic = clock.now()
     drafter.begin(ids, target.prefill(ids[:-1]))
-    stats.prefill_seconds = time.perf_counter() - tic
+    stats.prefill_seconds = clock.now() - tic
     rounds = tree_rounds(
         target, drafter, ids[-1], sampling=sampling, max_tokens=max_tokens, policy=policy,
         stats=stats,
@@ -298,12 +298,12 @@ def check_fits(ids: list[int], target: ModelRunner | TreeTarget) -> None:
 
 
 def _stream(target, drafter, ids, tokenizer, sampling, policy, max_tokens, stats, stop):
-    tic = time.perf_counter()
+    tic = clock.now()
     hidden = target.prefill(ids[:-1])
     if drafter is not None:
         drafter.bind_target(target)
         drafter.begin(ids, target.vocab_size, hidden)
-    stats.prefill_seconds = time.perf_counter() - tic
+    stats.prefill_seconds = clock.now() - tic
     yield from decode(
         target, drafter, ids[-1], tokenizer, sampling, policy, max_tokens, stats, stop
     )
@@ -426,7 +426,7 @@ def _emit(
     """Turn rounds into chunks (`OutputCutter`); each round is cut (`Round.keep`) where the
     output ended, or after the last chunk its consumer took."""
     cutter = OutputCutter(tokenizer, stats, stop, max_tokens)
-    finish, tic = "length", time.perf_counter()
+    finish, tic = "length", clock.now()
     try:
         for rnd in rounds:
             emitted, finish, keep = cutter.round(rnd)
@@ -445,7 +445,7 @@ def _emit(
             finish = "length"
     finally:
         rounds.close()
-        stats.decode_seconds = time.perf_counter() - tic
+        stats.decode_seconds = clock.now() - tic
     yield cutter.final(finish)
 
 

@@ -23,7 +23,14 @@ import hfmodels as hfm
 import pytest
 import tinymodels as tm
 import uvicorn
-from helpers import DISTRIBUTION_ALPHABET, EAGLE3_LAYERS, LAYOUTS, with_eos, write_eagle3
+from helpers import (
+    DISTRIBUTION_ALPHABET,
+    EAGLE3_LAYERS,
+    LAYOUTS,
+    FakeClock,
+    with_eos,
+    write_eagle3,
+)
 
 VOCAB = tm.tokenizer_size()
 
@@ -122,3 +129,13 @@ def serving(app):
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Generation's clock replaced by a `FakeClock` for the test."""
+    from mlx_spec.core import clock
+
+    fake = FakeClock()
+    monkeypatch.setattr(clock, "now", fake.now)
+    return fake

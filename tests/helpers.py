@@ -307,3 +307,19 @@ def write_dflash(path, seed: int = 3, **changes):
     hfm.randomize(model.float(), seed)
     model.save_pretrained(str(path), safe_serialization=True)
     return path, model
+
+
+class FakeClock:
+    """Simulated time for what generation measures (`mlx_spec.core.clock.now`): every reading
+    moves it on by `tick` seconds, and `advance(s)` stands for work that took s seconds, so
+    timings, and the choices made from them, do not depend on the machine's load."""
+
+    def __init__(self, tick: float = 1e-4):
+        self.time, self.tick = 0.0, tick
+
+    def now(self) -> float:
+        self.time += self.tick
+        return self.time
+
+    def advance(self, seconds: float) -> None:
+        self.time += seconds

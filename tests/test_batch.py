@@ -1925,8 +1925,8 @@ def test_a_row_refilling_a_busy_batch_is_judged_at_the_batch_s_usual_size(loaded
     assert final.stats.drafter_rounds.get("draft-model", 0) == idle
 
 
-def test_a_drafters_join_is_reported_apart_from_the_steps_time(loaded):
-    """A model drafter's join (slowed by 50 ms here) is its row's cost, once: it comes with
+def test_a_drafters_join_is_reported_apart_from_the_steps_time(loaded, fake_clock):
+    """A model drafter's join (taking 50 ms here) is its row's cost, once: it comes with
     the next step observed as `joined`, and no step's own time includes it (fitted as a
     step's cost it would price every speculative step as the first after a join). The
     policy times the joins per token fed (of 16 tokens or more, the first one left out:
@@ -1939,7 +1939,7 @@ def test_a_drafters_join_is_reported_apart_from_the_steps_time(loaded):
 
     def slow_join(*args):
         join(*args)
-        time.sleep(0.05)
+        fake_clock.advance(0.05)
         events.append("join")
 
     def record(rows, outcomes, seconds, catch_up=0, window=None, joined=None, **kw):
@@ -2285,7 +2285,7 @@ def test_a_failed_join_fails_its_rows_and_the_engine_serves_on(loaded):
     assert not any(errors) and outputs == alone
 
 
-def test_an_idle_engine_charges_no_step_its_idle_time(loaded):
+def test_an_idle_engine_charges_no_step_its_idle_time(loaded, fake_clock):
     """A request that comes after the engine stood idle (a single user's next message): no
     step's observed time includes the wait (it would price speculation, or the guard's
     windows, by a pause of the user's)."""
@@ -2301,7 +2301,7 @@ def test_an_idle_engine_charges_no_step_its_idle_time(loaded):
     always_draft(engine, 0)
     requests = busy_requests(scored_vocab(model, tok), "draft-model", "auto", n=2)
     run_all(engine, requests[:1])
-    time.sleep(0.3)
+    fake_clock.advance(0.3)  # the server idle between requests
     run_all(engine, requests[1:])
     assert seconds and max(seconds) < 0.3
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from mlx_spec.core import clock
 from mlx_spec.core.sampling import SamplingConfig, logits_to_probs, pick
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.core.verify import greedy_verify, rejection_verify
@@ -74,13 +74,13 @@ def plain_rounds(
         sampler=_make_sampler(sampling, target.vocab_size, target.sync),
         prompt_cache=target.cache,
     )
-    tic = time.perf_counter()
+    tic = clock.now()
     target.length += 1  # `last`, fed by the first step
     for token, _ in steps:
         target.length += 1
         if trace is not None:
             trace.append(token)
-        now = time.perf_counter()
+        now = clock.now()
         yield Round([token], 0, 0, now - tic)
         tic = now
 
@@ -137,12 +137,12 @@ class _Decoder:
     def spec_round(self, arm: int, k: int) -> Iterator[Round]:
         """One draft -> verify round, settled when the consumer asks for more (or closes)."""
         target, drafter, sampling = self.target, self.drafter, self.sampling
-        start = time.perf_counter()
+        start = clock.now()
         self._mark("policy")
         drafter.select(arm)
         drafter.catch_up()
         self._mark("drafter catch-up")
-        tic = time.perf_counter()
+        tic = clock.now()
         # Catching up on plain steps is the price of keeping speculation on hand, paid whatever
         # is chosen; catching up on another drafter's rounds is the price of switching to this one.
         switching = self._last_arm is not None and self._last_arm != arm
@@ -162,18 +162,18 @@ class _Decoder:
         self._mark("target pass + verification")
         n = num_accepted.item()
         tokens = proposed.tolist()[:n] + [next_token.item()]
-        rnd = Round(tokens, drafted, n, time.perf_counter() - start, drafter=drafter.arm_names[arm])
+        rnd = Round(tokens, drafted, n, clock.now() - start, drafter=drafter.arm_names[arm])
         self._mark("reading the result")
         try:
             yield rnd
         finally:
-            settle = time.perf_counter()
+            settle = clock.now()
             if self.phases is not None:
                 self.phases.start()
             keep = _settle(target, drafter, rnd, hidden)
             self._commit(rnd.tokens[:keep])
             self._mark("rollback + drafter update")
-            done = time.perf_counter()
+            done = clock.now()
             self.stats.rollback_seconds += done - settle
             spent = rnd.seconds - (0.0 if switching else tic - start) + done - settle
             self.policy.observe_round(arm, k, drafted, n, spent)
@@ -191,21 +191,21 @@ class _Decoder:
         count = count if left is None else min(count, left)
         if count <= 0:
             return
-        tic = time.perf_counter()
+        tic = clock.now()
         token, hidden = self._plain_step(mx.array([self.last], mx.uint32))
         rnd, ahead, settled, spent = None, None, True, 0.0
         try:
             for i in range(count):
                 self._last_arm = None
                 ahead = self._plain_step(token) if i < count - 1 else None
-                rnd = Round([token.item()], 0, 0, time.perf_counter() - tic)
+                rnd = Round([token.item()], 0, 0, clock.now() - tic)
                 spent += rnd.seconds
                 self.stats.observe_choice(None, 0)
                 settled = False
                 yield rnd
                 self._follow(rnd, hidden)
                 settled = True
-                tic = time.perf_counter()
+                tic = clock.now()
                 if ahead is not None:
                     token, hidden = ahead
         finally:

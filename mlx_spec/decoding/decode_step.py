@@ -3,8 +3,7 @@ sharded target), then a plain or a speculative step and the rows that ended leav
 
 from __future__ import annotations
 
-import time
-
+from mlx_spec.core import clock
 from mlx_spec.decoding.batch_asks import RowAsk
 from mlx_spec.decoding.batch_choice import BatchChoice, Decision
 from mlx_spec.decoding.rows import Row
@@ -44,7 +43,7 @@ class DecodeStep:
         self._left = False
         rows = list(self.active)
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps
-        self._last_decode = time.perf_counter()
+        self._last_decode = clock.now()
         free = all(not isinstance(r.request.num_draft, int) for r in rows)
         ids = [r.id for r in rows]
         choice = self.policy.barred(len(rows), {a for r in rows for a in r.arms}, free)

@@ -3,8 +3,7 @@ with one at the batch's size; judged at the size the batch runs at."""
 
 from __future__ import annotations
 
-import time
-
+from mlx_spec.core import clock
 from mlx_spec.decoding.rows import Row
 
 import mlx.core as mx
@@ -30,7 +29,7 @@ class DrafterJoins:
         within a step or two (a burst of 8 clients' first requests, the first prefilled
         alone, was judged at 1 row and fed the draft model and the MTP head its prompt for
         a run among 8)."""
-        if not self.active and time.perf_counter() - self._last_decode > IDLE_RESET:
+        if not self.active and clock.now() - self._last_decode > IDLE_RESET:
             self._size_seen = 0.0
         if joining:
             size = min(self.max_batch, size + len(self.waiting))
@@ -156,9 +155,9 @@ class DrafterJoins:
         time is reported with the next step observed (`BatchDraftPolicy.observe`'s `joined`)."""
         name = self.names[arm]
         columns = self._columns(row, name, hidden)
-        tic = time.perf_counter()
+        tic = clock.now()
         self.drafters[name].join(row.id, row.tokens, columns, state, common)
-        seconds = time.perf_counter() - tic
+        seconds = clock.now() - tic
         self._join_spent[arm] = self._join_spent.get(arm, 0.0) + seconds
         if self.drafters[name].feeds_prompt:
             fed = len(row.tokens) - (common if state is not None else 0)

@@ -34,10 +34,9 @@ The engine's parts, one module each: `rows` (requests and rows), `admission` (ca
 
 from __future__ import annotations
 
-import time
-
 from mlx_spec.api import OutputCutter
 from mlx_spec.caches.batch import BatchCache
+from mlx_spec.core import clock
 from mlx_spec.core.batch_verify import RowRandom
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.decoding import distributed
@@ -179,7 +178,7 @@ class BatchEngine(
         self._next_id = 0
         self._ahead: Ahead | None = None  # a plain step queued ahead of the one being read
         self._joining: Joining | None = None  # requests being prefilled together
-        self._last_settle = time.perf_counter()
+        self._last_settle = clock.now()
         self._prefill_spent = 0.0  # prefill time since the last settled step
         # Model drafters' joins since then (within the prefill time), seconds per drafter: a
         # cost of drafting with them, reported with the next step observed (to the guard, not
@@ -250,7 +249,7 @@ class BatchEngine(
         """A chunk of the prompts of the joining requests (prefilled together, about
         `prefill_step` tokens in all), then a decoding step of the batch."""
         self._drop_cancelled()
-        tic = time.perf_counter()
+        tic = clock.now()
         if not self.active and self._ahead is None:  # idle until now: no step's time
             self._last_settle, self._prefill_spent, self._join_spent = tic, 0.0, {}
         if self._joining is None:
@@ -262,7 +261,7 @@ class BatchEngine(
             except Exception as exc:  # the joining rows fail; the batch goes on without them
                 self._fail_joining(group, exc)
                 raise
-        self._prefill_spent += time.perf_counter() - tic  # not charged to the decoding steps
+        self._prefill_spent += clock.now() - tic  # not charged to the decoding steps
         if self.active:
             try:
                 self._decode()

@@ -3,9 +3,9 @@ the model computes one step while the host handles the last."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
+from mlx_spec.core import clock
 from mlx_spec.core.batch_verify import batch_probs, draw, gumbel
 from mlx_spec.decoding.rows import Row
 from mlx_spec.decoding.step_trace import StepTrace
@@ -33,12 +33,12 @@ class PlainSteps:
         handles the last. A row that ends stops the pipeline (the step queued after it is
         emitted at once for the others)."""
         if self._ahead is None:
-            tic = time.perf_counter()
+            tic = clock.now()
             self._ahead = self._launch(rows, mx.array([r.tokens[-1] for r in rows], mx.uint32))
             if not all(self._pipelinable(r) for r in rows):
                 self._flush(choice)
             else:  # the pipeline starts: the next settle times one step, not two
-                self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
+                self._last_settle, self._prefill_spent = clock.now(), 0.0
                 if self.trace is not None:
                     # Queueing a pass returns once most of it ran (on a CPU, MLX waits while
                     # more than a few of its operations are pending): the pipeline's first
@@ -100,7 +100,7 @@ class PlainSteps:
                 if row.needs_hidden and ahead.hidden is not None:
                     row.untold_features.append((ahead.hidden, i))
             emitted += 1
-        now = time.perf_counter()
+        now = clock.now()
         if choice is not None:
             seconds = now - self._last_settle - self._prefill_spent
             outcomes = [(0, 0)] * len(choice.rows)
@@ -129,6 +129,6 @@ class PlainSteps:
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
             self._settle(ahead, choice)
-        self._last_settle, self._prefill_spent = time.perf_counter(), 0.0
+        self._last_settle, self._prefill_spent = clock.now(), 0.0
         for row in [r for r in self.active if r.done]:
             self._remove(row, keep_cache=not row.cancelled)

@@ -3,11 +3,11 @@ prefilled together a chunk per step, draw their first tokens and join the batch'
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from mlx_spec.caches.batch import BatchCache
 from mlx_spec.caches.taps import logits_at
+from mlx_spec.core import clock
 from mlx_spec.decoding.rows import Row
 
 import mlx.core as mx
@@ -95,7 +95,7 @@ class Prefill:
 
     def _start_prefill(self, row: Row) -> None:
         """The row's cache: what the prompt cache holds of its prompt, or an empty one."""
-        row.tic = time.perf_counter()
+        row.tic = clock.now()
         ids = row.tokens
         if self.context is not None and len(ids) >= self.context:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.context}")
@@ -121,8 +121,8 @@ class Prefill:
     def _prefilled(row: Row) -> None:
         """Its prompt is in and its first token drawn: the prompt's share of the stats."""
         row.stats.cached_tokens = row.cached
-        row.stats.prefill_seconds = time.perf_counter() - row.tic
-        row.tic = time.perf_counter()
+        row.stats.prefill_seconds = clock.now() - row.tic
+        row.tic = clock.now()
         row.first_pending = False
 
     def _join(self, group: Joining) -> None:

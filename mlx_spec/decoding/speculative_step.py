@@ -4,8 +4,7 @@ and the rows' pace against plain decoding is kept."""
 
 from __future__ import annotations
 
-import time
-
+from mlx_spec.core import clock
 from mlx_spec.core.batch_verify import (
     batch_probs,
     batch_verify,
@@ -25,19 +24,19 @@ class SpeculativeStep:
     `BatchEngine` (its state: `BatchEngine.__init__`)."""
 
     def _speculative_step(self, rows: list[Row], choice) -> None:
-        tic = time.perf_counter()
+        tic = clock.now()
         for row in rows:
             self._tell(row)
         self._threads(len(rows))  # the drafters' passes: a token per row, most of them
         tokens, probs, counts = self._draft(rows, choice.rows)
         k = 0 if tokens is None else tokens.shape[1]
-        built = time.perf_counter()
+        built = clock.now()
         if k:  # the drafters compute while the verifying pass is built
             mx.async_eval(tokens if probs is None else (tokens, probs))
         # Queueing returns with the drafting nearly done (few operations may stay pending):
         # the verifying pass's width sets the threads from here.
         self._threads(len(rows) * (1 + k))
-        queued = time.perf_counter()
+        queued = clock.now()
         lengths = [1 + n for n in counts]
         x = mx.array([r.tokens[-1] for r in rows], mx.uint32)[:, None]  # [B, 1]
         if k:
@@ -52,9 +51,9 @@ class SpeculativeStep:
         if self.sync is not None:  # rank 0's outcome, one collective for both
             both = self.sync.share(mx.stack([accepted.astype(mx.int32), nxt.astype(mx.int32)]))
             accepted, nxt = both[0], both[1]
-        waited = time.perf_counter()
+        waited = clock.now()
         mx.eval(accepted, nxt, x)
-        read = time.perf_counter()
+        read = clock.now()
         accepted, nxt, fed = accepted.tolist(), nxt.tolist(), x.tolist()
         targets = self.cache.lengths
         outcomes = []
@@ -73,7 +72,7 @@ class SpeculativeStep:
         # Timed like a plain step: from the last step settled (the choice, the rows' asks and
         # leaving are the step's too), prefill work and the drafters' joins apart (a join is
         # its row's cost: the policy hands it to the guard, not to the step costs).
-        seconds = time.perf_counter() - self._last_settle - self._prefill_spent
+        seconds = clock.now() - self._last_settle - self._prefill_spent
         catch_up, window, joined = choice.catch_up, choice.window, self._join_spent
         turnover, self._turnover = self._turnover, False
         self._pace(rows, outcomes, seconds, turnover)
@@ -87,7 +86,7 @@ class SpeculativeStep:
             disturbed=turnover,
             drafting=queued - tic if k else 0.0,
         )
-        self._last_settle, self._prefill_spent, self._join_spent = time.perf_counter(), 0.0, {}
+        self._last_settle, self._prefill_spent, self._join_spent = clock.now(), 0.0, {}
         if self.trace is not None:
             stamps = [tic, built, queued, waited, read, self._last_settle]
             spans = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]

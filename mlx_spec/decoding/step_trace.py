@@ -8,6 +8,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from mlx_spec.core import clock
+
 
 @dataclass
 class StepTrace:
@@ -61,10 +63,10 @@ class StepLog:
 
     def __init__(self, path: str | os.PathLike):
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (open for the server's life)
-        self.start = time.perf_counter()
+        self.start = clock.now()
 
     def append(self, step: StepTrace) -> None:
-        t = time.perf_counter() - self.start
+        t = clock.now() - self.start
         line = {**asdict(step), "t": round(t, 4), "wall": round(time.time(), 4)}
         self.file.write(json.dumps(line) + "\n")
 

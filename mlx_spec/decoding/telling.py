@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import time
-
+from mlx_spec.core import clock
 from mlx_spec.decoding.chain import Round
 from mlx_spec.decoding.rows import Row
 from mlx_spec.drafters.batch import concat_rows
@@ -39,7 +38,7 @@ class Telling:
             row.request.emit(chunk)
         if finish is not None or row.produced >= row.request.max_tokens:
             row.done = True
-            row.stats.decode_seconds = time.perf_counter() - row.tic
+            row.stats.decode_seconds = clock.now() - row.tic
             row.stats.plain_seconds, row.stats.plain_tokens = row.paced, row.produced
             row.request.emit(row.cutter.final(finish or "length"))
         return keep

@@ -25,12 +25,12 @@ Verification:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mlx_spec.caches.batch import EMPTY, BatchCache, batchable
 from mlx_spec.caches.taps import tap_for
+from mlx_spec.core import clock
 from mlx_spec.core.sampling import SamplingConfig, logits_to_probs, pick
 from mlx_spec.core.stats import SpecStats
 from mlx_spec.decoding.chain import Round
@@ -544,7 +544,7 @@ def merge_graph(tree: TokenTree, side: SideBranch):
 
 
 def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Iterator[Round]:
-    tic = time.perf_counter()
+    tic = clock.now()
     tree = drafter.draft_tree(depth, target.vocab_size, sampling)
     side = drafter.side_branch()
     if side is None:
@@ -557,7 +557,7 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
         logits = logits[mx.array([0] + [1 + i for i in tree_at])]
     path, nxt = verify_tree(logits, tree, sampling)
     tokens = [tree.tokens[i] for i in path] + [nxt]
-    rnd = Round(tokens, tree.depth, len(path), time.perf_counter() - tic, drafter=drafter.name)
+    rnd = Round(tokens, tree.depth, len(path), clock.now() - tic, drafter=drafter.name)
     try:
         yield rnd
     finally:
@@ -568,7 +568,7 @@ def _tree_round(target, drafter, state, depth, sampling, policy, stats) -> Itera
         drafter.accept(tokens[:keep], None if hidden is None else hidden[rows])
         state["produced"] += keep
         state["last"] = tokens[keep - 1]
-        policy.observe_round(0, depth, tree.depth, len(kept), time.perf_counter() - tic)
+        policy.observe_round(0, depth, tree.depth, len(kept), clock.now() - tic)
         if stats is not None:
             stats.observe_choice(drafter.name, depth)
 
@@ -595,7 +595,7 @@ def _plain_stretch(target, drafter, state, count, sampling, policy, stats) -> It
     """`count` plain steps, pipelined: each step's pass is queued before the token of the step
     before it is read. A consumer that closes early gets the pass queued over the token it
     stopped at taken back out, so that token stays pending."""
-    start = tic = time.perf_counter()
+    start = tic = clock.now()
     token, hidden = target.plain_step(state["last"], sampling)
     rnd, ahead, settled, done = None, None, True, 0
 
@@ -609,12 +609,12 @@ def _plain_stretch(target, drafter, state, count, sampling, policy, stats) -> It
     try:
         for i in range(count):
             ahead = target.plain_step(token, sampling) if i < count - 1 else None
-            rnd = Round([token.item()], 0, 0, time.perf_counter() - tic)
+            rnd = Round([token.item()], 0, 0, clock.now() - tic)
             settled = False
             yield rnd
             follow()
             settled, done = True, done + 1
-            tic = time.perf_counter()
+            tic = clock.now()
             if ahead is not None:
                 token, hidden = ahead
     finally:
@@ -624,4 +624,4 @@ def _plain_stretch(target, drafter, state, count, sampling, policy, stats) -> It
             follow()
             done += 1
         if done:
-            policy.observe_plain(done, time.perf_counter() - start)
+            policy.observe_plain(done, clock.now() - start)
