@@ -8,6 +8,10 @@ from mlx_spec.decoding.batch_asks import RowAsk
 from mlx_spec.decoding.batch_choice import BatchChoice, Decision
 from mlx_spec.decoding.rows import Row
 
+# After rows leave, the columns are squeezed once they exceed the longest row's by this
+# share and 8 (docs/serving.md).
+COLUMNS_SLACK = 0.1
+
 
 class DecodeStep:
     """The batch's decoding step: the rows' asks, the policy's choice, a plain or a speculative
@@ -39,7 +43,7 @@ class DecodeStep:
         if self._left and self._ahead is None:
             # Rows that left at different steps leave columns wider than the longest row, which
             # every pass attends over; a leaving broke the pipeline already (docs/serving.md).
-            self.cache.tidy(slack=self.columns_slack, spare=8)
+            self.cache.tidy(slack=COLUMNS_SLACK, spare=8)
         self._left = False
         rows = list(self.active)
         self._size_seen += 0.05 * (len(rows) - self._size_seen)  # about the last 20 steps

@@ -167,9 +167,6 @@ class BatchEngine(
         # Rows joined or left since the last step observed: the next one runs what that
         # left queued (`BatchDraftPolicy.observe`'s `disturbed`).
         self._turnover = False
-        # A joining row takes a row that left (`_extend`); after rows leave, the columns are
-        # squeezed once they exceed the longest row's by this share and 8 (docs/serving.md).
-        self.reuse_rows, self.columns_slack = True, 0.1
         self._hold: tuple[list[int], int] | None = None  # (rows, steps): `_closed_choice`
         self._stacked: tuple[list, mx.array] | None = None  # `_untold_hidden`
         self._no_plan = 0  # the full batch's plain steps since its last plan (`_shed`)

@@ -17,7 +17,7 @@ class RowSlots:
         if self.cache is None:
             self.cache, self.active = cache, list(rows)
             return
-        slots = self._vacant[: len(rows)] if self.reuse_rows else []
+        slots = self._vacant[: len(rows)]  # a joining row takes a row that left
         if slots:
             placed = len(slots)
             if placed < len(rows):  # the rest join after the batch's rows
