@@ -195,14 +195,14 @@ def test_auto_policy_instance_is_accepted(loaded):
     assert policy.plain is not None
 
 
-def test_a_new_drafter_never_inherits_a_freed_ones_policy(loaded):
+def test_a_new_drafter_never_inherits_a_freed_ones_policy(loaded, fake_clock):
     """Policies are remembered per drafter identity; a drafter made after another was freed
     (Python may give it the freed object's id) starts afresh, not with the other's policy."""
     entry = no_eos(loaded["llama"])
     continuation = plain(entry, PROMPT, 40)
     seen = set()
     for _ in range(20):
-        drafter = OracleDrafter(continuation, wrong_after=0)
+        drafter = OracleDrafter(continuation, fake_clock, wrong_after=0)
         assert drafter.identity not in seen
         seen.add(drafter.identity)
         del drafter
