@@ -69,7 +69,7 @@ def policy_file(model, drafter: Drafter, sampling, max_draft: int) -> PolicyFile
         return None
     key = {
         "machine": machine_key(),
-        "target": str(Path(source).resolve()),
+        "target": _stamped(source),
         "drafter": arms,
         "sampling": dataclasses.asdict(sampling),
         "max_draft": max_draft,
@@ -87,7 +87,15 @@ def lasting_identity(drafter: Drafter):
     if isinstance(drafter, NgramDrafter):
         return list(drafter.identity)
     source = getattr(drafter, "source", None)
-    return None if source is None else [drafter.name, str(Path(source).resolve())]
+    return None if source is None else [drafter.name, _stamped(source)]
+
+
+def _stamped(source) -> list:
+    """A folder and its weight files' sizes and times: what was learned with weights since
+    replaced (a drafter trained again into the same folder) is not taken up."""
+    folder = Path(source).resolve()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    return [str(folder), [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]]
 
 
 def machine_key() -> dict:
