@@ -43,7 +43,7 @@ DRAFTERS = {
     "mtp": ["--kind", "mtp", "--mtp-family", "mimo"],
     "draft": ["--kind", "draft-model", "--hidden-size", "256", "--layers", "4"],
 }
-STEPS = {"eagle3": 1000, "mtp": 500, "draft": 1000}  # training steps of each (--steps: all)
+STEPS = {"eagle3": 400, "mtp": 150, "draft": 250}  # training steps of each (--steps: all)
 
 
 def log(message: str) -> None:

@@ -78,9 +78,11 @@ def test_answers_resume_where_they_stopped(chat_target, prompts, tmp_path):
     assert again[:8] == first and len(answers.read_text().splitlines()) == 20
 
 
-def test_drafters_share_one_teacher_pass(chat_target, prompts, tmp_path, monkeypatch):
+@pytest.mark.parametrize("steps", [4, 1])
+def test_drafters_share_one_teacher_pass(chat_target, prompts, tmp_path, monkeypatch, steps):
     """Two drafters trained on the same answers with one teacher folder: the first keeps the
-    second's layers too (`teacher_layers`), so the second computes nothing."""
+    second's layers too (`teacher_layers`), so the second computes nothing, also when it
+    trains for fewer steps (it would read fewer windows: it reads the folder's)."""
     shared = tmp_path / "teacher"
     chat = ChatData(str(prompts), str(tmp_path / "answers.jsonl"), (0.0,), max_tokens=16)
     final = 2  # the tiny target's final state: hidden_states[2]
@@ -92,10 +94,10 @@ def test_drafters_share_one_teacher_pass(chat_target, prompts, tmp_path, monkeyp
     computed = []
     monkeypatch.setattr(TeacherCache, "_compute", lambda self, *a: computed.append(a))
     report = run_distill(str(chat_target), str(tmp_path / "mtp"),
-                         DistillConfig(kind="mtp", steps=4, **SMALL), chat=chat,
+                         DistillConfig(kind="mtp", steps=steps, **SMALL), chat=chat,
                          teacher_cache=str(shared), progress=False)  # fmt: skip
     assert not computed and stamps == {p: p.stat().st_mtime_ns for p in shared.rglob("chunk-*.npz")}
-    assert report["train_tokens"] > 0
+    assert report["train_tokens"] > 0 and report["steps"] == steps
     model, tokenizer = mlx_spec.load(str(chat_target))
     drafter = mlx_spec.load_mtp_drafter(str(tmp_path / "mtp"), model)
     spec = mlx_spec.generate(model, tokenizer, "abc def", drafter=drafter, max_tokens=12)

@@ -202,9 +202,16 @@ def real_model_table(record: dict) -> None:
     from IPython.display import Markdown, display
 
     kinds = sorted({p["kind"] for p in record["prompts"]})
-    lines = [
-        "| engine / mode | T | tok/s | speedup | " + " | ".join(kinds) + " | lowest | = plain |"
-    ]
+    count = {k: sum(p["kind"] == k for p in record["prompts"]) for k in kinds}
+    args = record.get("args", {})
+    head = (
+        f"{len(record['prompts'])} prompts ("
+        + ", ".join(f"{n} {k}" for k, n in count.items())
+        + f"), at most {args.get('max_tokens', '?')} tokens, "
+        + f"{args.get('repeats', '?')} repeat(s)\n\n"
+    )
+    columns = " | ".join(kinds)
+    lines = [head + f"| engine / mode | T | tok/s | speedup | {columns} | lowest | = plain |"]
     lines.append("|" + " --- |" * (6 + len(kinds)))
     for temperature in sorted({float(k.rsplit("=", 1)[1]) for k in record["summary"]}):
         for name, e in sorted(_rows(record, temperature).items()):

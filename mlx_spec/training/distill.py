@@ -175,17 +175,23 @@ def prepare_data(
 
 def _teachers(distiller: Distiller, target, tokenizer, data, heldout, folder: Path):
     """The teacher caches (in `folder`) of the training windows (at most as many as the steps
-    will read) and of the held-out windows."""
+    will read, or more where the folder already holds them: a drafter trained with fewer steps
+    shares another's folder) and of the held-out windows."""
     config = distiller.config
     vocab = scored_vocab(target, tokenizer)
     seq = config.seq_len
-    train = windows_of(data.tokens, seq, most=config.steps * config.batch_size)
+
+    def cache(name: str, windows: np.ndarray) -> TeacherCache:
+        return TeacherCache(folder / name, windows, distiller.layers, vocab)
+
+    train = cache("train", windows_of(data.tokens, seq, most=config.steps * config.batch_size))
+    kept = TeacherCache.windows_kept(folder / "train")
+    if kept is not None and kept > len(train.windows):
+        more = cache("train", windows_of(data.tokens, seq, most=kept))
+        train = more if more.made_here() else train
     held = windows_of(heldout.tokens, min(seq, heldout.tokens.size))
     held = held[: HELDOUT_WINDOWS * config.batch_size]
-    return (
-        TeacherCache(folder / "train", train, distiller.layers, vocab),
-        TeacherCache(folder / "heldout", held, distiller.layers, vocab),
-    )
+    return train, cache("heldout", held)
 
 
 def run_distill(

@@ -97,6 +97,18 @@ class TeacherCache:
         saved = json.loads(meta.read_text())
         return tuple(saved["layers"]) if saved.get("key") == self.key else None
 
+    @staticmethod
+    def windows_kept(folder: Path) -> int | None:
+        """How many windows the chunks in `folder` were made for (None: none there)."""
+        try:
+            return int(json.loads((Path(folder) / "teacher.json").read_text())["windows"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def made_here(self) -> bool:
+        """Whether the folder's chunks were made for these windows."""
+        return self._kept() is not None
+
     def fill(self, target, progress: bool = True, also: tuple[int, ...] = ()) -> None:
         """Compute the chunks not on disk yet (a progress bar shows them), keeping the features
         of `also` too (for another drafter that will share the folder), then load them."""
