@@ -31,6 +31,7 @@ from helpers import (
     with_eos,
     write_eagle3,
 )
+from huggingface_hub import constants as hf_constants
 
 VOCAB = tm.tokenizer_size()
 
@@ -139,3 +140,16 @@ def fake_clock(monkeypatch):
     fake = FakeClock()
     monkeypatch.setattr(clock, "now", fake.now)
     return fake
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1 with an empty hub cache, for this process and its children."""
+    cache = tmp_path / "hf-home"
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cache), "HF_HUB_CACHE": str(cache / "hub")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache / "hub"))
+    monkeypatch.chdir(tmp_path)  # a relative "org/name" must not resolve to a local directory
+    return env

@@ -3,11 +3,12 @@ MLX_HOSTFILE set, or alone as the single-process reference).
 
 Usage: python distributed_worker.py JOB.json
 JOB: {"model", "shard", "drafter" ("none", "ngram", "mtp", "eagle3:DIR" or a draft model
-directory; a list: one after the other, run by run), "num_draft", "prompt", "max_tokens",
+directory; a list: one after the other, run by run), "num_draft" (a list: the same way),
+"prompt", "max_tokens",
 "temperature", "top_k", "runs", "seed", "negative_control" (a broken verifier of
 helpers.NEGATIVE_CONTROLS, installed on every rank)}.
 Prints one JSON line: {"rank", "world_size", "tokens": [...per run], "accepted": drafts
-accepted over all runs, "stats": the last run's}.
+accepted over all runs, "stats": the last run's, "run_stats": [...per run]}.
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ def main() -> int:
     rank = group.rank() if group is not None else 0
     specs = job.get("drafter", "none")
     drafters = [drafter_for(spec, model) for spec in ([specs] if isinstance(specs, str) else specs)]
-    outputs, accepted, stats = [], 0, None
+    lengths = job.get("num_draft", "auto")
+    lengths = lengths if isinstance(lengths, list) else [lengths]
+    outputs, accepted, stats, run_stats = [], 0, None, []
     for run in range(job.get("runs", 1)):
         stream = mlx_spec.stream_generate(
             model,
             tokenizer,
             job["prompt"],
             drafter=drafters[run % len(drafters)],  # a list: taken in turn, run by run
-            num_draft=job.get("num_draft", "auto"),
+            num_draft=lengths[run % len(lengths)],
             max_tokens=job["max_tokens"],
             temperature=job.get("temperature", 0.0),
             top_k=job.get("top_k", 0),
@@ -63,9 +66,10 @@ def main() -> int:
             stats = chunk.stats
         outputs.append(tokens)
         accepted += stats.accepted
+        run_stats.append(stats.to_dict())
     record = {"rank": rank, "world_size": stats.world_size, "tokens": outputs}
     record["accepted"] = accepted  # drafts accepted over all runs
-    record["stats"] = stats.to_dict()
+    record["stats"], record["run_stats"] = run_stats[-1], run_stats
     print(json.dumps(record), flush=True)
     return 0
 

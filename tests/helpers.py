@@ -84,6 +84,11 @@ ALPHA = 1e-3  # stated false-positive rate of each test
 # residual) the statistic is about 390 on 26 degrees of freedom at 1000 samples (p ~ 1e-30), so
 # the tests keep their power with room to spare at this size.
 DISTRIBUTION_RUNS = 1000
+# Samples per negative control: the test's power against a fixed wrong distribution grows with
+# the sample count, so a broken verifier that fails at a quarter of the runs fails the full-size
+# test too. At this size every control's p-value is below 1e-5 (the one-hot drafter's subtle
+# control, the weakest, ~2e-6), except the Gemma 4 assistant's subtle control, kept at full size.
+CONTROL_RUNS = 250
 DISTRIBUTION_ALPHABET = "abcde"  # the vocabulary of the `pair` fixture's checkpoints
 DISTRIBUTION_PROMPT = [3, 4, 5, 3]
 DISTRIBUTION_LENGTH = 3  # tokens compared: with k = 2, round one can emit all three
@@ -103,10 +108,12 @@ def exact_distribution(model, config: SamplingConfig) -> dict:
     return exact_sequences(next_probs, DISTRIBUTION_PROMPT, DISTRIBUTION_LENGTH)
 
 
-def sampled(model, tok, make_drafter, config: SamplingConfig, num_draft=lambda: 2) -> list:
-    """The first three tokens of DISTRIBUTION_RUNS seeded generations."""
+def sampled(
+    model, tok, make_drafter, config: SamplingConfig, num_draft=lambda: 2, runs=DISTRIBUTION_RUNS
+) -> list:
+    """The first three tokens of `runs` seeded generations."""
     out = []
-    for seed in range(DISTRIBUTION_RUNS):
+    for seed in range(runs):
         result = mlx_spec.generate(
             model,
             tok,

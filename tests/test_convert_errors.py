@@ -23,7 +23,6 @@ import huggingface_hub
 import mlx.core as mx
 import pytest
 import tinymodels as tm
-from huggingface_hub import constants as hf_constants
 
 VOCAB = tm.tokenizer_size()
 INDEX = "model.safetensors.index.json"
@@ -533,19 +532,6 @@ def test_remote_code_for_unknown_architecture_refused(tmp_path):
 
 
 # --------------------------------------------------------------------------- hub
-
-
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """HF_HUB_OFFLINE=1 with an empty hub cache, for this process and its children."""
-    cache = tmp_path / "hf-home"
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(cache), "HF_HUB_CACHE": str(cache / "hub")}
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache / "hub"))
-    monkeypatch.chdir(tmp_path)  # a relative "org/name" must not resolve to a local directory
-    return env
 
 
 def test_offline_hub_miss_names_the_repo(tmp_path, offline_hub):

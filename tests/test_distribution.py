@@ -23,6 +23,7 @@ from chisquare import chisquare_pvalue
 from helpers import (
     ALPHA,
     CONFIGS,
+    CONTROL_RUNS,
     DISTRIBUTION_PROMPT,
     DISTRIBUTION_RUNS,
     NEGATIVE_CONTROLS,
@@ -136,7 +137,7 @@ def test_negative_controls_fail(pair, monkeypatch, kind, control):
     from the target's distribution instead of the residual (subtle)."""
     model, tok = pair[:2]
     monkeypatch.setattr(*NEGATIVE_CONTROLS[control])
-    samples = sampled(model, tok, factory(kind, pair), CONFIGS[0])
+    samples = sampled(model, tok, factory(kind, pair), CONFIGS[0], runs=CONTROL_RUNS)
     assert chisquare_pvalue(samples, exact_distribution(model, CONFIGS[0])) < ALPHA
 
 

@@ -258,8 +258,6 @@ def test_cli_converts_a_gguf_file_of_a_folder(tmp_path):
                  "--mlx-path", str(tmp_path / "other")]) == 2  # fmt: skip
 
 
-def test_a_hub_gguf_offline_and_not_cached_is_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+def test_a_hub_gguf_offline_and_not_cached_is_refused_by_name(tmp_path, offline_hub):
     with pytest.raises(ConversionError, match="org/repo/model.gguf: cannot fetch.*HF_HUB_OFFLINE"):
         convert_checkpoint("org/repo", str(tmp_path / "mlx"), gguf_file="model.gguf")

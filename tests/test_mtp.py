@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from chisquare import chisquare_pvalue, exact_sequences, reference_probs
-from helpers import NEGATIVE_CONTROLS, with_eos
+from helpers import CONTROL_RUNS, NEGATIVE_CONTROLS, with_eos
 from mlx.nn import RMSNorm
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
@@ -245,7 +245,7 @@ def test_mtp_negative_control_fails(loaded, converted, monkeypatch):
     model, tok = loaded["mimo"]
     monkeypatch.setattr(*NEGATIVE_CONTROLS["subtle"])
     drafter = load_mtp_drafter(str(converted["mimo"]), model)
-    samples = mtp_samples(model, tok, drafter, DIST_CONFIG, DIST_RUNS["mimo"])
+    samples = mtp_samples(model, tok, drafter, DIST_CONFIG, CONTROL_RUNS)
     assert chisquare_pvalue(samples, exact_three_tokens(model, DIST_CONFIG)) < 1e-3
 
 

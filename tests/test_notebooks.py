@@ -24,25 +24,37 @@ def test_notebooks_exist_and_have_no_outputs():
 
 
 @pytest.fixture(scope="module")
-def kernel_env(tmp_path_factory):
+def kernel_env(tmp_path_factory, worker_id):
     """A kernel spec for the running interpreter (found first through JUPYTER_PATH) and a
-    fresh model cache shared by the notebooks (the pair is converted once)."""
+    fresh model cache shared by the notebooks, with the pair converted into it once (for all
+    test workers: under a lock, in the run's shared temporary folder)."""
+    from mlx_spec import embedded
+
+    from filelock import FileLock
     from ipykernel.kernelspec import write_kernel_spec
 
     root = tmp_path_factory.mktemp("jupyter")
     write_kernel_spec(root / "kernels" / KERNEL)
+    run_root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # each xdist worker has a folder of its own inside the run's
+        run_root = run_root.parent
+    cache = run_root / "notebook-cache"
+    with FileLock(f"{cache}.lock"), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLX_SPEC_CACHE", str(cache))
+        embedded.converted_pair()
     return {
         "JUPYTER_PATH": str(root),
-        "MLX_SPEC_CACHE": str(tmp_path_factory.mktemp("cache")),
+        "MLX_SPEC_CACHE": str(cache),
         "MPLBACKEND": "Agg",
         "HF_HUB_OFFLINE": "1",
     }
 
 
 # Run first in the kernel: `bench.run_bench` checks the notebook's own settings, then measures
-# every configuration they ask for with the shortest generations those settings allow and one
-# cost micro-benchmark pass per repeat. The cells, plots and tables see a report of the same
-# shape; only the measuring is shorter.
+# every drafter they ask for at their shortest and longest draft lengths, on one short prompt,
+# with the shortest generations those settings allow and one cost micro-benchmark pass per
+# repeat. The cells, plots and tables see a report of the same shape; only the measuring is
+# shorter.
 SHORT_BENCH = """
 from dataclasses import replace as _replace
 
@@ -55,9 +67,16 @@ def _short_run_bench(config=None, progress=None):
     config = config or _bench.BenchConfig()
     config.validate()
     shortest = min(config.max_tokens, 2 * (max(config.num_draft) + 1))
-    return _run_bench(
-        _replace(config, max_tokens=shortest, micro_repeats=config.repeats), progress
+    draft_lengths = sorted({min(config.num_draft), max(config.num_draft)})
+    short = _replace(
+        config,
+        num_draft=tuple(draft_lengths),
+        max_tokens=shortest,
+        num_prompts=1,
+        prompt_tokens=min(config.prompt_tokens, 32),
+        micro_repeats=config.repeats,
     )
+    return _run_bench(short, progress)
 
 
 _bench.run_bench = _short_run_bench

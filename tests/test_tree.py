@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from chisquare import chisquare_pvalue
-from helpers import CONFIGS, exact_distribution, sampled, with_eos
+from helpers import CONFIGS, CONTROL_RUNS, exact_distribution, sampled, with_eos
 from mlx_lm.models.cache import make_prompt_cache
 
 ALPHA = 1e-3
@@ -275,7 +275,7 @@ def test_tree_negative_control_fails(pair, monkeypatch):
 
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)
     config = CONFIGS[0]
-    samples = sampled(model, tok, lambda: SampledTree(draft), config)
+    samples = sampled(model, tok, lambda: SampledTree(draft), config, runs=CONTROL_RUNS)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) < ALPHA
 
 

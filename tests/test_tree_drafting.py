@@ -14,7 +14,15 @@ from mlx_spec.drafters.eagle3 import load_eagle3_drafter
 import mlx.core as mx
 import pytest
 from chisquare import chisquare_pvalue
-from helpers import ALPHA, CONFIGS, EAGLE3_PROMPT, exact_distribution, sampled, with_eos
+from helpers import (
+    ALPHA,
+    CONFIGS,
+    CONTROL_RUNS,
+    EAGLE3_PROMPT,
+    exact_distribution,
+    sampled,
+    with_eos,
+)
 from mlx_lm.models.cache import make_prompt_cache
 
 
@@ -132,5 +140,5 @@ def test_sampled_tree_negative_control_fails(pair, monkeypatch):
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)
     config = CONFIGS[0]
     make = lambda: BranchingDraftModel(draft, width=2, max_depth=2)  # noqa: E731
-    samples = sampled(model, tok, make, config)
+    samples = sampled(model, tok, make, config, runs=CONTROL_RUNS)
     assert chisquare_pvalue(samples, exact_distribution(model, config)) < ALPHA
