@@ -1,17 +1,21 @@
 """Helpers shared by several test modules (no test module imports another): tokenizer and
-drafter builders, the three-token distribution harness and its negative controls, the batch
-engine drivers, and random EAGLE-3 heads and DFlash drafters for the tiny targets. The
-fixtures built on them live in conftest.py."""
+drafter builders, the command line run in this process, the three-token distribution harness
+and its negative controls, the batch engine drivers, and random EAGLE-3 heads and DFlash
+drafters for the tiny targets. The fixtures built on them live in conftest.py."""
 
 from __future__ import annotations
 
 import copy
+import io
 import json
 import random
+import subprocess
+from contextlib import redirect_stderr, redirect_stdout
 
 import mlx_spec
 import mlx_spec.core.verify
 import mlx_spec.decoding.chain
+from mlx_spec.cli import main as cli_main
 from mlx_spec.core.compat import scored_vocab
 from mlx_spec.core.sampling import SamplingConfig, sample
 from mlx_spec.decoding.engine import BatchEngine, BatchRequest
@@ -26,6 +30,20 @@ import pytest
 import torch
 from chisquare import exact_sequences, reference_probs
 from safetensors.torch import save_file
+
+
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`mlx-spec ARGS` run by the CLI's `main` in this process, its output captured: the exit
+    code, stdout and stderr a user sees, without a new interpreter's seconds of imports (the
+    `python -m mlx_spec.cli` entry itself is tested in test_cli.py). An exception escapes to the
+    test, as a traceback would reach the user."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = cli_main(list(args))
+        except SystemExit as exit_:  # argparse's refusals and --help
+            code = exit_.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def with_eos(tokenizer, eos_ids=()):

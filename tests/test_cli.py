@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import cli_here
 
 STATS_KEYS = {"acceptance_rate", "mean_accepted_length", "target_passes", "decode_tokens_per_sec"}
 
@@ -27,9 +28,10 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if not line.startswith("mlx-spec: warning:")]
 
 
-def generate_json(target, *extra: str) -> dict:
-    """`generate --json` on the target; asserts one JSON object on stdout and returns it."""
-    proc = run_cli(
+def generate_json(target, *extra: str, run=cli_here) -> dict:
+    """`generate --json` on the target (in this process, or by `run`); asserts one JSON object
+    on stdout and returns it."""
+    proc = run(
         "generate", "--model", str(target), "--prompt", "abcab", "--max-tokens", "16",
         "--json", *extra,
     )  # fmt: skip
@@ -41,7 +43,7 @@ def generate_json(target, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def plain_record(checkpoints):
-    return generate_json(checkpoints["llama"][0])
+    return generate_json(checkpoints["llama"][0], run=run_cli)  # the installed entry, once
 
 
 @pytest.mark.parametrize("mode", ["plain", "ngram", "draft-model"])
@@ -96,7 +98,7 @@ def test_errors_are_one_line(checkpoints, tmp_path, case):
         "empty-prompt": ["--model", target, "--prompt", ""],
         "bad-config": ["--model", str(bad_config_dir(tmp_path, target)), "--prompt", "ab"],
     }[case]
-    proc = run_cli("generate", *args)
+    proc = cli_here("generate", *args)
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert proc.returncode == 2, proc.stderr
     lines = error_lines(proc.stderr)

@@ -7,7 +7,6 @@ import copy
 import json
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from convert import ConversionResult, Quantization, convert_checkpoint
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import cli_here
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -431,12 +431,7 @@ def test_rope_parameters_reach_mlx(tmp_path, model_type, overrides):
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "convert", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli_here("convert", *args)
 
 
 def test_cli_convert(case, reference, tmp_path):

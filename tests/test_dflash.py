@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from chisquare import chisquare_pvalue, exact_first_tokens, first_tokens
-from helpers import BLOCK, DFLASH_IDS, DFLASH_LAYERS, MASK, with_eos, write_dflash
+from helpers import BLOCK, DFLASH_IDS, DFLASH_LAYERS, MASK, cli_here, with_eos, write_dflash
 
 dflash_model = pytest.importorskip("dflash.model")  # installed by the README's test command
 
@@ -159,8 +159,6 @@ def test_convert_dflash_and_use_it(target, tmp_path):
     """`mlx-spec convert` takes a DFlash drafter alone to an MLX layout with the same logits;
     `generate --dflash` and drafter="dflash" (beside a converted target) use it."""
     import shutil
-    import subprocess
-    import sys
 
     model, tok, *_, path, root = target
     out = convert_checkpoint(str(path), str(tmp_path / "dflash-mlx"), dtype="float32").path
@@ -176,11 +174,9 @@ def test_convert_dflash_and_use_it(target, tmp_path):
     plain = mlx_spec.generate(model, tok, PROMPT, max_tokens=12).tokens
     result = mlx_spec.generate(model, tok, PROMPT, drafter="dflash", num_draft=3, max_tokens=12)
     assert result.tokens == plain and result.stats.drafter == "dflash"
-    run = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "generate", "--model", str(root / "qwen3-mlx"),
-         "--dflash", str(out), "--prompt", "abcab", "--max-tokens", "6", "--num-draft", "3",
-         "--json"],
-        capture_output=True, text=True, timeout=300,
+    run = cli_here(
+        "generate", "--model", str(root / "qwen3-mlx"), "--dflash", str(out), "--prompt",
+        "abcab", "--max-tokens", "6", "--num-draft", "3", "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["stats"]["drafter"] == "dflash"

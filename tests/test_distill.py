@@ -4,8 +4,6 @@ directory `generate` loads, and resumes after an interruption at the same step c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import mlx_spec
 from mlx_spec.training.config import DistillConfig
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 import tinymodels as tm
 from conftest import VOCAB
-from helpers import with_eos
+from helpers import cli_here, with_eos
 from mlx.utils import tree_flatten
 
 SMALL = dict(batch_size=8, seq_len=64, learning_rate=3e-3, hidden_size=64, num_layers=1)
@@ -135,12 +133,7 @@ def test_refuses_to_overwrite_and_bad_settings(target_dir, tmp_path):
         DistillConfig(steps=0)
 
     def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "mlx_spec.cli", "distill", *args],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return cli_here("distill", *args)
 
     bad = cli("--model", str(target_dir), "--out", str(tmp_path / "x"), "--data", "/nonexistent")
     assert bad.returncode == 2 and "no such file" in bad.stderr and "Traceback" not in bad.stderr

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from chisquare import chisquare_pvalue, exact_first_tokens, first_tokens
-from helpers import EAGLE3_IDS, EAGLE3_LAYERS, EAGLE3_PROMPT, LAYOUTS, T, write_eagle3
+from helpers import EAGLE3_IDS, EAGLE3_LAYERS, EAGLE3_PROMPT, LAYOUTS, T, cli_here, write_eagle3
 from safetensors.torch import save_file
 
 
@@ -194,8 +194,6 @@ def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
     that loads to the same function; beside a converted target (`eagle3/`) it is what
     drafter="eagle3" and `generate --eagle` find."""
     import shutil
-    import subprocess
-    import sys
 
     model, tok, _, root = target
     path, _ = heads["speculators"]
@@ -216,11 +214,9 @@ def test_convert_eagle3_head_and_use_it(target, heads, tmp_path):
         model, tok, EAGLE3_PROMPT, drafter="eagle3", num_draft=2, max_tokens=12
     )
     assert result.tokens == plain and result.stats.drafter == "eagle3"
-    run = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "generate", "--model", str(root / "llama-mlx"),
-         "--eagle", str(out), "--prompt", "abcab", "--max-tokens", "6", "--num-draft", "2",
-         "--json"],
-        capture_output=True, text=True, timeout=300,
+    run = cli_here(
+        "generate", "--model", str(root / "llama-mlx"), "--eagle", str(out), "--prompt", "abcab",
+        "--max-tokens", "6", "--num-draft", "2", "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["stats"]["drafter"] == "eagle3"

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import mlx_spec
 import mlx_spec.decoding.chain
@@ -20,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from chisquare import chisquare_pvalue, exact_sequences, reference_probs
-from helpers import CONTROL_RUNS, NEGATIVE_CONTROLS, with_eos
+from helpers import CONTROL_RUNS, NEGATIVE_CONTROLS, cli_here, with_eos
 from mlx.nn import RMSNorm
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
@@ -274,43 +272,15 @@ def test_cli_mtp_default_directory(converted):
     """`mlx-spec generate --model DIR --mtp` finds DIR/mtp and matches plain decoding."""
 
     def run(*extra):
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlx_spec.cli",
-            "generate",
-            "--model",
-            str(converted["mimo"]),
-            "--prompt",
-            "abcab",
-            "--max-tokens",
-            "12",
-            "--json",
-            *extra,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        args = ["--model", str(converted["mimo"]), "--prompt", "abcab", "--max-tokens", "12"]
+        proc = cli_here("generate", *args, "--json", *extra)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
     spec, plain = run("--mtp"), run()
     assert spec["stats"]["drafter"] == "mtp"
     assert spec["tokens"] == plain["tokens"]
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlx_spec.cli",
-            "generate",
-            "--model",
-            str(converted["llama"]),
-            "--prompt",
-            "ab",
-            "--mtp",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = cli_here("generate", "--model", str(converted["llama"]), "--prompt", "ab", "--mtp")
     assert bad.returncode == 2 and "no MTP drafter" in bad.stderr and "Traceback" not in bad.stderr
 
 

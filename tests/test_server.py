@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import serving
-from helpers import with_eos
+from helpers import cli_here, with_eos
 
 MODEL_ID = "tiny"
 LIMIT = 480  # max_tokens limit of the test server (the context holds 512)
@@ -426,15 +426,9 @@ def test_api_key(target):
 
 def test_serve_cli_errors(checkpoints):
     """`serve` with a bad limit or a missing model: one error line, exit code 2."""
-    import subprocess
-    import sys
-
     target = str(checkpoints["llama"][0])
     for args in (["--model", target, "--max-concurrent", "0"], ["--model", "/nonexistent"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "mlx_spec.cli", "serve", *args],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        proc = cli_here("serve", *args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert "mlx-spec: error:" in proc.stderr
 
