@@ -3,6 +3,7 @@ pseudo-terminal; later turns reuse the prompt cache and Ctrl-C stops a reply, no
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -13,8 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
+from helpers import cli_here
 
 STATS = re.compile(
     r"last reply: (\d+) tokens.*?prompt (\d+) tokens: (\d+) cached, (\d+) prefilled(.*)"
@@ -33,13 +36,9 @@ def chat_command(model, *extra: str) -> list[str]:
 
 
 def run_chat(model, lines: list[str], *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        chat_command(model, *extra),
-        input="".join(line + "\n" for line in lines),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    """`mlx-spec chat` in this process, `lines` piped to its standard input."""
+    with mock.patch("sys.stdin", io.StringIO("".join(line + "\n" for line in lines))):
+        return cli_here("chat", "--model", str(model), *extra)
 
 
 def stats_lines(text: str) -> list[tuple[int, int, int, int, str]]:
