@@ -112,18 +112,20 @@ def plain_step_ms(model, tokenizer, prompts, max_tokens) -> float:
     return seconds / tokens * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="target (default: the embedded pair)")
     parser.add_argument("--draft-model", help="draft model (default: the embedded pair's)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="3 prompts, 64 tokens, 1 repeat")
+    parser.add_argument("--max-tokens", type=int, help="default 128 (--quick: 64)")
+    parser.add_argument("--num-prompts", type=int, help="default 10 (--quick: 3)")
+    parser.add_argument("--repeats", type=int, help="default 2 (--quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, tokens, timed passes")
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
-    if args.quick:
-        args.num_prompts, args.max_tokens, args.repeats = 3, 64, 1
+    args = parser.parse_args(argv)
+    defaults = (64, 3, 1) if args.quick else (128, 10, 2)
+    for name, default in zip(("max_tokens", "num_prompts", "repeats"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     target_dir, draft_dir = embedded.converted_pair() if args.model is None else (args.model, None)
     model, tokenizer = mlx_spec.load(str(target_dir))
     tokenizer = copy.copy(tokenizer)
@@ -140,7 +142,7 @@ def main() -> int:
     prompts = [p.ids for p in bench.builtin_prompts(tokenizer, 128)][: args.num_prompts]
     context = len(prompts[0]) + args.max_tokens // 2
     passes = bench.PassTimer(model, vocab, prompts[0], context, range(1, 6), (0.0, 1.0))
-    passes.sample(20)
+    passes.sample(5 if args.quick else 20)
     bare = passes.medians()
     plain = plain_step_ms(model, tokenizer, prompts, args.max_tokens)
     rows = []

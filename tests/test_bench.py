@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from mlx_spec.core.stats import SpecStats
 
 import numpy as np
 import pytest
+from helpers import cli_here
 
 REQUIRED = {
     "mode",
@@ -159,12 +159,7 @@ def test_cli_quick(checkpoints, prompts_file, tmp_path):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", target, "--draft-model", draft, "--prompts", str(prompts_file)]
     args += ["--quick", "--temperatures", "0", "--max-tokens", "24", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli_here(*args)
     assert proc.returncode == 0, proc.stderr
     assert "| mode | k | T |" in proc.stdout
     results = json.loads(out.read_text())["results"]
@@ -250,19 +245,16 @@ def test_mtp_drafter_found_beside_the_target(tmp_path, prompts_file):
     assert report.header["mtp"].endswith("mtp")
 
 
-def test_round_breakdown_script(checkpoints, tmp_path):
+def test_round_breakdown_script(checkpoints, tmp_path, capsys):
     """benchmarks/round_breakdown.py on a tiny pair: one row per drafter and temperature, the
     phases and the unaccounted rest adding up to the profiled round."""
     target, draft = map(str, checkpoints["llama"])
     out = tmp_path / "rounds.json"
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "round_breakdown.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--model", target, "--draft-model", draft, "--quick",
-         "--num-prompts", "1", "--max-tokens", "24", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "| drafter | k | T |" in proc.stdout
+    args = ["--model", target, "--draft-model", draft, "--quick", "--num-prompts", "1"]
+    assert (
+        _benchmark("round_breakdown").main([*args, "--max-tokens", "24", "--json", str(out)]) == 0
+    )
+    assert "| drafter | k | T |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert {(r["drafter"], r["k"]) for r in rows} == {("draft-model", 1), ("draft-model", 2),
                                                        ("ngram", 4)}  # fmt: skip

@@ -4,12 +4,10 @@ half-written output directory behind (docs/testing.md, "Bad input gets a clear e
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import pickle
 import runpy
 import struct
-import subprocess
 import sys
 from fnmatch import fnmatch
 from pathlib import Path
@@ -23,6 +21,7 @@ import huggingface_hub
 import mlx.core as mx
 import pytest
 import tinymodels as tm
+from helpers import cli_here
 
 VOCAB = tm.tokenizer_size()
 INDEX = "model.safetensors.index.json"
@@ -542,15 +541,7 @@ def test_offline_hub_miss_names_the_repo(tmp_path, offline_hub):
 def test_cli_offline_hub_miss_is_one_line(tmp_path, offline_hub):
     """`mlx-spec convert` of an uncached hub id offline exits 2 with one line, no traceback."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlx_spec.cli", "convert"]
-        + ["--hf-path", "nobody/not-cached", "--mlx-path", str(out)],
-        cwd=tmp_path,
-        env=dict(os.environ, **offline_hub),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli_here("convert", "--hf-path", "nobody/not-cached", "--mlx-path", str(out))
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
