@@ -31,7 +31,7 @@ import pytest
 import tinymodels as tm
 from chisquare import chisquare_pvalue, exact_first_tokens
 from conftest import serving
-from helpers import write_eagle3
+from helpers import cli_here, write_eagle3
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 PROMPT = [3, 4, 5, 19, 6, 3, 4, 9, 11]
@@ -271,10 +271,7 @@ def test_bad_setups_get_one_line_errors(ckpt, tmp_path):
         assert code == 2 and "Traceback" not in stderr
         assert "cannot shard gemma3_text: mlx-lm has neither" in stderr
     # --shard needs a launcher
-    alone = subprocess.run(
-        [sys.executable, *cli(*base, "--model", target, "--shard", "tensor")],
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+    alone = cli_here(*base, "--model", target, "--shard", "tensor")
     assert alone.returncode == 2 and "mlx.launch" in alone.stderr
 
 
