@@ -35,7 +35,9 @@ def target(tmp_path_factory):
     )
     out = convert_checkpoint(str(source), str(root / "qwen3-mlx"), dtype="float32").path
     model, tok = mlx_spec.load(str(out))
-    drafter_dir, torch_drafter = write_dflash(root / "dflash")
+    # seed 5: a random drafter whose drafts the target accepts 0.18 of the time at T = 1, top-k 3
+    # (seed 3: 0.07), which gives the distribution test below its power at 500 samples
+    drafter_dir, torch_drafter = write_dflash(root / "dflash", seed=5)
     return model, with_eos(tok), torch_model, torch_drafter, drafter_dir, root
 
 
@@ -130,7 +132,8 @@ def test_distribution_with_dflash(target):
     with its own q) follow the target's exact distribution."""
     model, tok, *_, path, _ = target
     drafter = load_dflash_drafter(path, model)
-    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 1500)
+    # power: a verifier that recovers from p instead of the residual gives p ~ 2e-22 at 500
+    samples = first_tokens(model, tok, PROMPT, drafter, DIST, 500)
     assert chisquare_pvalue(samples, exact_first_tokens(model, PROMPT, DIST, hfm.VOCAB)) > 1e-3
 
 
