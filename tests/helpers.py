@@ -104,8 +104,8 @@ ALPHA = 1e-3  # stated false-positive rate of each test
 DISTRIBUTION_RUNS = 1000
 # Samples per negative control: the test's power against a fixed wrong distribution grows with
 # the sample count, so a broken verifier that fails at a quarter of the runs fails the full-size
-# test too. At this size every control's p-value is below 1e-5 (the one-hot drafter's subtle
-# control, the weakest, ~2e-6), except the Gemma 4 assistant's subtle control, kept at full size.
+# test too. At this size every control's p-value is below 1e-5 (the weakest, the one-hot
+# drafter's subtle control, ~2e-6).
 CONTROL_RUNS = 250
 DISTRIBUTION_ALPHABET = "abcde"  # the vocabulary of the `pair` fixture's checkpoints
 DISTRIBUTION_PROMPT = [3, 4, 5, 3]
