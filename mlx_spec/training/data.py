@@ -33,17 +33,24 @@ def encode_files(files: list[Path], tokenizer) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def generate_tokens(model, tokenizer, count: int, seed: int, chunk: int = 256) -> np.ndarray:
-    """`count` tokens sampled from the target at temperature 1 (its own text to learn from)."""
-    from mlx_spec.api import generate
+def generate_tokens(
+    model, tokenizer, count: int, seed: int, chunk: int = 256, batch_size: int = 16
+) -> np.ndarray:
+    """`count` tokens sampled from the target at temperature 1 (its own text to learn from):
+    rows of up to `chunk` tokens from BOS, `batch_size` at a time, each cut at its first EOS and
+    ended by one."""
+    from mlx_spec.core.compat import scored_vocab
 
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
+    eos_ids = sorted(tokenizer.eos_token_ids)
+    vocab = scored_vocab(model, tokenizer)
     ids: list[int] = []
     while len(ids) < count:
-        result = generate(
-            model, tokenizer, [start], temperature=1.0, max_tokens=chunk, seed=seed + len(ids)
-        )
-        ids += result.tokens + sorted(tokenizer.eos_token_ids)[:1]
+        starts = np.full((batch_size, 1), start, np.int32)
+        rows = continue_windows(model, starts, chunk, 1.0, seed + len(ids), vocab, batch_size)
+        for row in rows.tolist():
+            ends = [i for i, token in enumerate(row) if token in tokenizer.eos_token_ids]
+            ids += row[: ends[0] if ends else len(row)] + eos_ids[:1]
     return np.asarray(ids[:count], np.int32)
 
 
