@@ -34,14 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlx_spec.decoding import distributed
+    from mlx_spec.decoding import ranks
 
     args = build_parser().parse_args(argv)
     _quiet_third_parties()
     args.group = None
     code = _main(args)
     if args.group is not None:  # a launched rank: out without tearing the group down
-        distributed.leave(code)
+        ranks.leave(code)
     return code
 
 
@@ -56,15 +56,15 @@ def _quiet_third_parties() -> None:
 
 
 def _main(args) -> int:
-    from mlx_spec.decoding import distributed
+    from mlx_spec.decoding import distributed, ranks
 
     try:
         if args.command not in ("info", "steps"):
             args.group = distributed.world()
-        distributed.quiet_other_ranks(args.group)
+        ranks.quiet_other_ranks(args.group)
         if args.group is not None:
-            distributed.stop_on_signal()
-            distributed.watch_for_lost_ranks(args.group.rank())
+            ranks.stop_on_signal()
+            ranks.watch_for_lost_ranks(args.group.rank())
             if args.command in ("convert", "distill"):
                 raise ValueError(f"{args.command} runs on one machine: start it without mlx.launch")
         return args.func(args)
@@ -72,7 +72,7 @@ def _main(args) -> int:
         _error(args, exc)
         return 1
     except RuntimeError as exc:
-        if not distributed.lost_peer(exc):
+        if not ranks.lost_peer(exc):
             raise
         _error(args, f"a rank of the distributed run was lost ({exc})")
         return 1

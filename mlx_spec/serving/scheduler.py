@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mlx_spec.api import GenerationChunk
-from mlx_spec.decoding.distributed import abort, lost_peer
 from mlx_spec.decoding.engine import BatchEngine, BatchRequest
+from mlx_spec.decoding.ranks import abort, lost_peer
 from mlx_spec.serving.session import PREFILLING
 
 import mlx.core as mx
