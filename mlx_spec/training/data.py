@@ -49,8 +49,8 @@ def generate_tokens(
         starts = np.full((batch_size, 1), start, np.int32)
         rows = continue_windows(model, starts, chunk, 1.0, seed + len(ids), vocab, batch_size)
         for row in rows.tolist():
-            ends = [i for i, token in enumerate(row) if token in tokenizer.eos_token_ids]
-            ids += row[: ends[0] if ends else len(row)] + eos_ids[:1]
+            end = next((i for i, token in enumerate(row) if token in eos_ids), len(row))
+            ids += row[:end] + eos_ids[:1]
     return np.asarray(ids[:count], np.int32)
 
 
