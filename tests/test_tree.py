@@ -8,14 +8,8 @@ import random
 import mlx_spec
 from convert import convert_checkpoint
 from mlx_spec.core.sampling import logits_to_probs
-from mlx_spec.decoding.tree import (
-    TokenTree,
-    TreeDrafter,
-    TreeTarget,
-    greedy_tree_verify,
-    merge_graph,
-    tree_rejection_verify,
-)
+from mlx_spec.core.tree_verify import TokenTree, greedy_tree_verify, tree_rejection_verify
+from mlx_spec.decoding.tree import TreeDrafter, TreeTarget, merge_graph
 from mlx_spec.drafters.branching import BranchingDraftModel
 from mlx_spec.drafters.lookahead import LookaheadDrafter, trie
 from mlx_spec.drafters.medusa import (
@@ -271,7 +265,7 @@ def test_tree_negative_control_fails(pair, monkeypatch):
     """Trying the next child against p itself instead of the residual after a rejection
     changes the distribution, and the test above sees it."""
     model, tok, draft, _ = pair
-    import mlx_spec.decoding.tree as tree_module
+    import mlx_spec.core.tree_verify as tree_module
 
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)
     config = CONFIGS[0]

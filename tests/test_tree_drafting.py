@@ -134,7 +134,7 @@ def test_sampled_trees_keep_the_target_distribution(pair):
 def test_sampled_tree_negative_control_fails(pair, monkeypatch):
     """Trying the second drawn candidate against p itself instead of the residual after the
     first is rejected changes the distribution, and the test above sees it."""
-    import mlx_spec.decoding.tree as tree_module
+    import mlx_spec.core.tree_verify as tree_module
 
     model, tok, draft, _ = pair
     monkeypatch.setattr(tree_module, "tree_residual", lambda p, q, x: p)

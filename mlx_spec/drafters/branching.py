@@ -13,7 +13,8 @@ distribution. Either way the output stays exactly the target's.
 from __future__ import annotations
 
 from mlx_spec.core.sampling import SamplingConfig, logits_to_probs, sample
-from mlx_spec.decoding.tree import PREFILL_STEP, TokenTree, TreeDrafter, TreeTarget
+from mlx_spec.core.tree_verify import TokenTree
+from mlx_spec.decoding.tree import PREFILL_STEP, TreeDrafter, TreeTarget
 from mlx_spec.models.mtp import MTPModule, target_hidden_size
 
 import mlx.core as mx

@@ -19,7 +19,8 @@ from __future__ import annotations
 import random
 
 from mlx_spec.core.sampling import SamplingConfig
-from mlx_spec.decoding.tree import SideBranch, TokenTree, TreeDrafter
+from mlx_spec.core.tree_verify import TokenTree
+from mlx_spec.decoding.tree import SideBranch, TreeDrafter
 
 import mlx.core as mx
 import numpy as np

@@ -24,7 +24,8 @@ import re
 from pathlib import Path
 
 from mlx_spec.core.sampling import SamplingConfig
-from mlx_spec.decoding.tree import TokenTree, TreeDrafter
+from mlx_spec.core.tree_verify import TokenTree
+from mlx_spec.decoding.tree import TreeDrafter
 
 import mlx.core as mx
 import mlx.nn as nn
