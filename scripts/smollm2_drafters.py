@@ -12,6 +12,7 @@ Stages (each resumable; in order, or `all`):
   mtp       an MTP head (MiMo layout: one decoder layer over [embedding, hidden state])
   draft     a small draft model (llama layout, the model's tokenizer)
             (the three share one pass of the target over the text: `--teacher-cache`)
+            (`--more --steps N --lr LR`: N more steps from the drafter already there)
   ship      each drafter of SHIPPED cast to float16 into `mlx_spec/trained/smollm2/<kind>/`
 
     python scripts/smollm2_drafters.py all --work /tmp/smollm2-drafters
@@ -158,8 +159,17 @@ def stage_answers(work: Path, args) -> None:
 
 
 def stage_drafter(kind: str, work: Path, args) -> None:
+    """Train WORK/<kind>; with --more, train it a further --steps steps (`distill --init`), the
+    result replacing it when done (the previous one kept as WORK/<kind>.before)."""
     prompts, answers = work / "train.jsonl", work / "answers.jsonl"
-    distill(work, args, kind, DRAFTERS[kind], work / kind, prompts, answers)
+    if not args.more:
+        distill(work, args, kind, DRAFTERS[kind], work / kind, prompts, answers)
+        return
+    more, before = work / f"{kind}.more", work / f"{kind}.before"
+    distill(work, args, kind, [*DRAFTERS[kind], "--init", str(work / kind)], more, prompts, answers)
+    shutil.rmtree(before, ignore_errors=True)
+    (work / kind).rename(before)
+    more.rename(work / kind)
 
 
 def stage_ship(work: Path, args) -> None:
@@ -206,6 +216,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--more", action="store_true", help="train the drafter already in WORK further"
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     for stage in STAGES if args.stage == "all" else [args.stage]:
