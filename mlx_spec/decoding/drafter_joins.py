@@ -42,11 +42,8 @@ class DrafterJoins:
         decodes without it until it joins late (`_join_late`). For a group's row that holds
         for a drafter whose state the prompt cache saved too (`saved`: nothing to feed but
         what the state lacks), though taking it in costs nothing: a row joined to a drafter
-        costs the steps the policy weighs it in, its catch-ups and its probes (on a 2-core
-        x86, the group at 8 rows with a prompt cache kept across requests joined every row
-        to every model drafter it had saved: 0.86x of plain decoding over five rounds
-        through the server, 0.90x with the joins judged). A row's only drafter takes its
-        saved state in."""
+        costs the steps the policy weighs it in, its catch-ups and its probes
+        (docs/serving.md, "Joins"). A row's only drafter takes its saved state in."""
         hidden = self._all_hidden(row)
         auto = not isinstance(row.request.num_draft, int)
         # No probe join (`join_pays`' `probe`) into a batch that will run closed: it runs no
