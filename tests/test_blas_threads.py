@@ -8,6 +8,7 @@ import mlx_spec.platform.blas_threads as bt
 from mlx_spec.core.compat import scored_vocab
 from mlx_spec.decoding.engine import BatchEngine
 from mlx_spec.drafters.batch import BatchDraftModel
+from mlx_spec.platform import blas
 from mlx_spec.platform.blas_threads import MAX_WIDTH, BlasThreads
 
 import mlx.nn as nn
@@ -128,7 +129,7 @@ def test_calibrate_is_off_on_request_and_pins_a_count(monkeypatch):
 def test_calibrate_measures_the_real_library_and_restores_it(monkeypatch):
     monkeypatch.delenv(bt.ENV, raising=False)
     most, setter = bt._openblas()
-    get = ctypes.CDLL(bt._blas._provider_of(b"cblas_sgemm")).openblas_get_num_threads
+    get = ctypes.CDLL(blas.provider_of(b"cblas_sgemm")).openblas_get_num_threads
     model = nn.Sequential(nn.Linear(24, 64, bias=False), nn.Linear(64, 24, bias=False))
     threads = BlasThreads.calibrate(model)
     if most < 2:

@@ -58,7 +58,7 @@ def preload() -> str | None:
     return None
 
 
-def _provider_of(symbol: bytes) -> str | None:
+def provider_of(symbol: bytes) -> str | None:
     """Path of the library that the global scope resolves `symbol` to, or None."""
 
     class _DlInfo(ctypes.Structure):
@@ -95,7 +95,7 @@ def describe() -> str:
         return "Accelerate (macOS)"
     if not sys.platform.startswith("linux"):
         return "platform default"
-    provider = _provider_of(b"cblas_sgemm")
+    provider = provider_of(b"cblas_sgemm")
     if _state["late"]:
         return "reference BLAS bundled with mlx-cpu, slow (mlx was imported before mlx_spec)"
     if provider is None:
@@ -111,7 +111,7 @@ def uses_reference_blas() -> bool:
     """True when MLX resolved its BLAS before an optimized one could be loaded, or none exists."""
     if not sys.platform.startswith("linux"):
         return False
-    return _state["late"] or _provider_of(b"cblas_sgemm") is None
+    return _state["late"] or provider_of(b"cblas_sgemm") is None
 
 
 def warn_if_slow(stream=None) -> None:

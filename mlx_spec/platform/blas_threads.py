@@ -1,6 +1,6 @@
 """BLAS threads per pass width, measured on the model's own matmul shapes.
 
-On a CPU, MLX's float32 matmuls run in the BLAS (OpenBLAS on Linux, see `_blas`), and OpenBLAS
+On a CPU, MLX's float32 matmuls run in the BLAS (OpenBLAS on Linux, see `blas.py`), and OpenBLAS
 splits every product over all its threads. For the skinny products of decoding (a few tokens
 times a weight matrix) that split can cost more than it saves, and how much depends on the
 width and the machine in a way no rule of thumb predicts: on one 2-core x86 machine, a pass
@@ -31,7 +31,7 @@ import statistics
 import time
 from collections import Counter
 
-from mlx_spec.platform import blas as _blas
+from mlx_spec.platform import blas
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,7 +63,7 @@ def _now(setter) -> int | None:
 def _openblas():
     """(threads, set) of the OpenBLAS that serves MLX's cblas_sgemm, or None: `threads` is its
     own count, read once, before anything here set one."""
-    provider = _blas._provider_of(b"cblas_sgemm")
+    provider = blas.provider_of(b"cblas_sgemm")
     if provider is None or "openblas" not in os.path.basename(provider).lower():
         return None
     try:
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     most, setter = functions
     shapes = _shapes(model)
-    print(f"{_blas.describe()}; {most} threads; matmul pair {shapes}")
+    print(f"{blas.describe()}; {most} threads; matmul pair {shapes}")
     first, second = _rounds(shapes, most, setter)
     for width, pairs in first.items():
         one = statistics.median(a for a, _ in pairs)
