@@ -637,8 +637,8 @@ def test_plain_steps_tell_the_drafters_at_the_rows_next_ask(mtp_target):
     assert any(drafted for _, drafted, _ in told)  # and drafts between
     # The features each row kept through its plain steps (rows told together take theirs
     # out of one stack of the steps' features) are the target's at each of its positions.
-    assert len(engine.row_cache._entries) == len(requests)
-    for item in engine.row_cache._entries:
+    assert len(engine.row_cache) == len(requests)
+    for item in engine.row_cache:
         assert item.hidden.shape[0] == len(item.tokens) - 1
         want = ModelRunner(model, hfm.VOCAB, keep_hidden=True).prefill(item.tokens[:-1])
         assert mx.allclose(item.hidden, want, atol=1e-4).item()
@@ -660,7 +660,7 @@ def test_rows_ending_together_take_their_features_from_one_stack(mtp_target):
     for req, (tokens, _) in zip(requests, results, strict=True):
         assert tokens == mlx_spec.generate(model, tok, req["prompt"], max_tokens=20).tokens
     assert max(stacks) > 1 and engine._stacked is None
-    for item in engine.row_cache._entries:
+    for item in engine.row_cache:
         want = ModelRunner(model, hfm.VOCAB, keep_hidden=True).prefill(item.tokens[:-1])
         assert mx.allclose(item.hidden, want, atol=1e-4).item()
 
@@ -911,7 +911,7 @@ def test_shared_prefixes_keep_their_entry(loaded):
     counts = engine.row_cache.counts
     assert counts["hits"] == 4 and counts["misses"] == 1
     # The entries of the repeated prompt were continued by the last turn's, which replaced them.
-    assert sorted(len(item.tokens) for item in engine.row_cache._entries) == [
+    assert sorted(len(item.tokens) for item in engine.row_cache) == [
         10 + 12,
         len(prompts[-1]) + 12,
     ]

@@ -189,14 +189,14 @@ def test_an_entry_of_every_drafter_serves_a_row_of_one(setup, drafter):
     first = [1, 4, 5, 6, 7, 8, 9, 10, 11]
     ask = dict(sampling=GREEDY, max_tokens=12, num_draft=3)
     ((reply, _),) = run_all(engine, [dict(ask, prompt=first, drafter="all")])
-    (entry,) = engine.row_cache._entries
+    (entry,) = engine.row_cache
     assert len(entry.features) == 2
     second = first + reply + [12, 13]
     ((tokens, final),) = run_all(engine, [dict(ask, prompt=second, drafter=drafter)])
     assert final.stats.cached_tokens == len(first) + len(reply) - 1
     assert final.stats.drafted > 0
     assert tokens == mlx_spec.generate(model, tok, second, max_tokens=12).tokens
-    (entry,) = engine.row_cache._entries
+    (entry,) = engine.row_cache
     assert entry.features == engine.features.of([drafter])
     assert entry.hidden.shape[-1] == engine.features.row_bytes(entry.features) // 4
     third = second + tokens + [14]

@@ -39,6 +39,11 @@ class _LRU:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __iter__(self):
+        """The entries held, least recently used first (each with its `tokens`; a batch row's
+        entry with its target `hidden` features too)."""
+        return iter(list(self._entries))
+
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries)
